@@ -1,0 +1,154 @@
+"""Tenant census: the bytes each tenant holds, counted from the tensors themselves.
+
+Counting from tensors (not from an allocator) makes the census exact on any device,
+fake and meta tensors included. Each storage is counted once, keyed by the identity of
+its ``StorageImpl``; ``data_ptr()`` would be 0 for every fake tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim import Optimizer
+
+TENANTS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
+
+
+def storage_key(tensor: Tensor) -> int:
+    """Identity of the storage behind ``tensor``, valid for as long as the storage lives."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = int(storage._cdata)
+        if key not in seen:
+            seen.add(key)
+            total += int(storage.nbytes())
+    return total
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+
+
+def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
+    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            yield from _tensors_in(state)
+
+
+class ActivationTracker:
+    """Records the storages autograd saves for backward, through ``saved_tensors_hooks``.
+
+    The pack hook returns the tensor it is given, so autograd keeps exactly what it would
+    keep without us; the tracker itself holds only weak references to storages.
+
+    Example::
+
+        tracker = ActivationTracker()
+        with tracker:
+            loss = model(x).sum()
+        tracker.live_bytes()  # bytes autograd holds for backward
+    """
+
+    def __init__(self) -> None:
+        self._saved: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._ignored: dict[int, StorageWeakRef] = {}
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.error: Exception | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def ignore(self, tensors: Iterable[Tensor]) -> None:
+        """Never count these storages (the input batch, say) as activations."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self._ignored[int(storage._cdata)] = StorageWeakRef(storage)
+
+    def start(self) -> None:
+        if self._hooks is None:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._hooks.__enter__()
+
+    def stop(self) -> None:
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    def clear(self) -> None:
+        """Forget every recorded storage; the next batch starts from nothing."""
+        self._saved.clear()
+        self._ignored.clear()
+
+    def __enter__(self) -> ActivationTracker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def live_bytes(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """Bytes of recorded storages that are still alive and not in ``exclude``."""
+        total = 0
+        for key, (ref, nbytes) in list(self._saved.items()):
+            if ref.expired():
+                del self._saved[key]
+            elif key not in exclude:
+                total += nbytes
+        return total
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        if self.error is None:
+            try:
+                storage = tensor.untyped_storage()
+                key = int(storage._cdata)
+                if key not in self._saved and key not in self._ignored:
+                    self._saved[key] = (StorageWeakRef(storage), int(storage.nbytes()))
+            except Exception as error:  # a failed measurement must never fail the forward
+                self.error = error
+        return tensor
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def take_census(
+    module: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    activations: ActivationTracker | None = None,
+) -> dict[str, int]:
+    """Bytes of each tenant right now; a storage shared by two tenants counts for the first.
+
+    The order of precedence is weights, gradients, optimizer state, activations.
+    """
+    seen: set[int] = set()
+    weights = unique_storage_bytes(chain(module.parameters(), module.buffers()), seen)
+    gradients = unique_storage_bytes((p.grad for p in module.parameters() if p.grad is not None), seen)
+    optimizer_state = unique_storage_bytes(optimizer_state_tensors(optimizers), seen)
+    saved = activations.live_bytes(exclude=seen) if activations is not None else 0
+    return {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer_state": optimizer_state,
+        "activations": saved,
+    }
