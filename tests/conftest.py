@@ -22,3 +22,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+from typing import Any  # noqa: E402
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+
+class RecordingLogger(Logger):
+    """Keeps every logged metric in memory, to check what the callback sends to any logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+def make_trainer(callbacks: list[L.Callback], steps: int = 2, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "max_steps": steps,
+        "log_every_n_steps": 1,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+    }
+    options.update(kwargs)
+    return L.Trainer(callbacks=callbacks, **options)

@@ -81,7 +81,10 @@ def test_lazy_state_before_the_first_step_is_explained() -> None:
 def test_adagrad_state_is_eager() -> None:
     model = small_model()
     optimizer = torch.optim.Adagrad(model.parameters())
-    assert take_census(model, [optimizer])["optimizer_state"] == expected_fixed_cost(model, [optimizer]).optimizer_state_bytes
+    assert (
+        take_census(model, [optimizer])["optimizer_state"]
+        == expected_fixed_cost(model, [optimizer]).optimizer_state_bytes
+    )
 
 
 def test_frozen_layer() -> None:

@@ -73,7 +73,9 @@ class MemoryTenantsCallback(Callback):
             pl_module, optimizers, track_activations=self.track_activations, warn=rank_zero_warn
         )
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._stepped = False
         self._phase("batch_start", batch)
 
@@ -83,7 +85,9 @@ class MemoryTenantsCallback(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._phase("after_backward")
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         self._stepped = True
         self._phase("before_optimizer_step")
 

@@ -140,7 +140,9 @@ class TenantMonitor:
         self.disabled.add(part)
         if part == "activations":
             self.tracker.stop()
-        self._warn(f"memtenants: measuring {part} failed ({type(error).__name__}: {error}); {part} is disabled from now on")
+        self._warn(
+            f"memtenants: measuring {part} failed ({type(error).__name__}: {error}); {part} is disabled from now on"
+        )
 
 
 def _batch_tensors(batch: Any) -> list[Tensor]:

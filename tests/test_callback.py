@@ -1,0 +1,268 @@
+from __future__ import annotations
+
+import re
+import weakref
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS, RecordingLogger, make_trainer
+from seed_mlp import SeedMLP, seed_loader
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_memtenants.callback as callback_module
+from lightning_memtenants import PHASES, MemoryTenantsCallback
+from lightning_memtenants.report import MiB
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def no_saved_tensor_hooks() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.fixture(scope="module")
+def seed_run() -> tuple[MemoryTenantsCallback, RecordingLogger, list[str]]:
+    printed: list[str] = []
+    original = callback_module.rank_zero_info
+    callback_module.rank_zero_info = printed.append
+    try:
+        L.seed_everything(0, verbose=False)
+        cb, logger = MemoryTenantsCallback(), RecordingLogger()
+        assert cb.latest is None
+        make_trainer([cb], steps=2, logger=logger).fit(SeedMLP(), seed_loader(batch_size=8, steps=2))
+    finally:
+        callback_module.rank_zero_info = original
+    return cb, logger, printed
+
+
+def test_seed_model_tenants_exact(seed_run) -> None:
+    cb, _, _ = seed_run
+    report = cb.latest
+    assert report is not None and report.step == 1
+    assert report.tenants_bytes == {
+        "weights": SEED_WEIGHTS,
+        "gradients": SEED_WEIGHTS,
+        "optimizer_state": 201_400_344,
+        "activations": 8 * SEED_SAVED_PER_SAMPLE,
+    }
+    assert all(type(v) is int for v in report.tenants_bytes.values())
+    assert list(report.phases) == list(PHASES)
+    assert report.phases["before_backward"].tenants_bytes["activations"] == 8 * SEED_SAVED_PER_SAMPLE
+    assert report.expected_fixed_bytes == report.measured_fixed_bytes == 16 * 25_175_040 + 24
+    assert report.fixed_cost_notes == []
+    assert report.peak_bytes is None
+
+
+def test_first_step_shows_adam_creating_its_state(seed_run) -> None:
+    cb, _, _ = seed_run
+    first = cb.first
+    assert first is not None and first.step == 0
+    assert first.phases["before_optimizer_step"].tenants_bytes["optimizer_state"] == 0
+    assert first.phases["batch_end"].tenants_bytes["optimizer_state"] == 201_400_344
+    # Lightning zeroes gradients after the forward: the second step starts with them resident.
+    assert first.phases["batch_start"].tenants_bytes["gradients"] == 0
+    assert cb.latest.phases["batch_start"].tenants_bytes["gradients"] == SEED_WEIGHTS
+
+
+def test_scalars_go_to_any_logger_with_units(seed_run) -> None:
+    _, logger, _ = seed_run
+    assert len(logger.logged) == 2
+    _step, metrics = logger.logged[-1]
+    assert metrics["memtenants/weights_MiB"] == pytest.approx(SEED_WEIGHTS / MiB)
+    assert round(metrics["memtenants/weights_MiB"], 2) == 96.04
+    assert metrics["memtenants/optimizer_state_MiB"] == 201_400_344 / MiB
+    assert metrics["memtenants/fixed_deviation_MiB"] == 0
+    assert all(tag.startswith("memtenants/") and tag.endswith("_MiB") for tag in metrics)
+
+
+def test_every_logged_tag_is_in_the_readme(seed_run) -> None:
+    _, logger, _ = seed_run
+    documented = set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", README.read_text()))
+    logged = {tag for _, metrics in logger.logged for tag in metrics}
+    assert logged <= documented
+
+
+def test_summary_table_is_printed_at_the_end(seed_run) -> None:
+    _, _, printed = seed_run
+    assert len(printed) == 2  # the first step, then the last
+    assert "optimizer step 1" in printed[-1]
+    assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+384\.14", printed[-1])
+    assert "expected 402,800,664 bytes" in printed[-1]
+    assert "matches the formula to the byte" in printed[-1]
+
+
+def test_no_hooks_left_after_fit(seed_run) -> None:
+    cb, _, _ = seed_run
+    assert no_saved_tensor_hooks()
+    assert cb._monitor is not None and not cb._monitor.tracker._saved
+
+
+def test_bitwise_identical_losses_with_and_without_callback() -> None:
+    def losses(callbacks: list[L.Callback]) -> list[float]:
+        L.seed_everything(0, verbose=False)
+        module = SeedMLP()
+        make_trainer(callbacks, steps=5).fit(module, seed_loader(batch_size=4, steps=5))
+        return module.losses
+
+    with_cb = losses([MemoryTenantsCallback()])
+    assert len(with_cb) == 5
+    assert with_cb == losses([])
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self, optimizer: str = "adam") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))  # 65 parameters
+        self.optimizer = optimizer
+        self.activation_refs: list[weakref.ref] = []
+        self.batch_refs: list[weakref.ref] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        hidden = self.net[1](self.net[0](x))
+        self.activation_refs.append(weakref.ref(hidden))
+        self.batch_refs.append(weakref.ref(x))
+        return self.net[2](hidden).pow(2).mean()
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.Adam(self.parameters())
+
+
+def tiny_loader(n: int = 8, batch_size: int = 2) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 6)), batch_size=batch_size)
+
+
+def test_gradient_accumulation_reports_per_optimizer_step() -> None:
+    cb = MemoryTenantsCallback()
+    make_trainer([cb], steps=2, accumulate_grad_batches=2).fit(TinyModule(), tiny_loader())
+    report = cb.latest
+    assert report is not None and report.step == 1
+    assert len(report.micro_batches) == 2
+    assert "before_optimizer_step" not in report.micro_batches[0]
+    assert list(report.micro_batches[1]) == list(PHASES)
+    assert report.expected_fixed_bytes == report.measured_fixed_bytes == 65 * 16 + 4 * 4
+    # tanh saves its output (2 x 8 floats); the second Linear saves it too; pow saves the 2 x 1 output.
+    assert report.tenants_bytes["activations"] == 2 * 8 * 4 + 2 * 1 * 4
+
+
+class ManualModule(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_manual_optimization() -> None:
+    cb = MemoryTenantsCallback()
+    make_trainer([cb], steps=3).fit(ManualModule(), tiny_loader())
+    report = cb.latest
+    assert report is not None and report.step == 2
+    assert set(report.phases) == set(PHASES)
+    assert report.phases["after_backward"].tenants_bytes["gradients"] == 65 * 4
+    assert report.tenants_bytes["optimizer_state"] == 65 * 8 + 4 * 4
+    assert no_saved_tensor_hooks()
+
+
+def test_frozen_layer_in_trainer_is_explained() -> None:
+    module = TinyModule(optimizer="sgd")
+    module.net[0].requires_grad_(False)  # 56 frozen parameters
+    cb = MemoryTenantsCallback()
+    make_trainer([cb], steps=1).fit(module, tiny_loader())
+    report = cb.latest
+    assert report.tenants_bytes["gradients"] == 9 * 4
+    assert report.expected_fixed_bytes == report.measured_fixed_bytes == 65 * 4 + 9 * 4
+    assert report.fixed_cost_notes == ["56 frozen parameters have no gradient and no optimizer state"]
+
+
+def test_callback_keeps_no_tensor_after_the_step() -> None:
+    module = TinyModule()
+    make_trainer([MemoryTenantsCallback()], steps=3).fit(module, tiny_loader())
+    assert len(module.activation_refs) == 3
+    assert all(ref() is None for ref in module.activation_refs)
+    assert all(ref() is None for ref in module.batch_refs[:-1])
+
+
+def test_callback_is_reusable_across_fits() -> None:
+    cb = MemoryTenantsCallback()
+    make_trainer([cb], steps=2).fit(TinyModule(), tiny_loader())
+    make_trainer([cb], steps=1).fit(TinyModule(optimizer="sgd"), tiny_loader())
+    assert cb.latest is not None and cb.latest.step == 0
+    assert cb.latest.tenants_bytes["optimizer_state"] == 0
+
+
+class Boom(TinyModule):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.error = ValueError(f"user error in {where}")
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "training_step":
+            raise self.error
+        loss = super().training_step(batch, batch_idx)
+        if self.where == "backward":
+
+            class Fail(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, t):
+                    return t.clone()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    raise self.error
+
+            loss = Fail.apply(loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if self.where == "optimizer_step":
+            error = self.error
+
+            def fail(*args, **kwargs):
+                raise error
+
+            optimizer.register_step_pre_hook(fail)
+        return optimizer
+
+
+@pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
+def test_user_exceptions_pass_through_unchanged(where: str) -> None:
+    module = Boom(where)
+    with pytest.raises(ValueError) as caught:
+        make_trainer([MemoryTenantsCallback()], steps=1).fit(module, tiny_loader())
+    assert caught.value is module.error
+    assert no_saved_tensor_hooks()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"track_activations": "yes"}, "track_activations must be True or False"),
+        ({"print_summary": 1}, "print_summary must be True or False"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps must be None or a positive int"),
+        ({"log_every_n_steps": -3}, "log_every_n_steps must be None or a positive int"),
+        ({"log_every_n_steps": 2.5}, "log_every_n_steps must be None or a positive int"),
+        ({"log_every_n_steps": True}, "log_every_n_steps must be None or a positive int"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MemoryTenantsCallback(**kwargs)
+
+
+def test_log_every_n_steps_option() -> None:
+    logger = RecordingLogger()
+    make_trainer([MemoryTenantsCallback(log_every_n_steps=2)], steps=4, logger=logger).fit(TinyModule(), tiny_loader())
+    assert len(logger.logged) == 2
