@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(PY) examples/seed_mlp.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests examples benchmarks
-	$(PY) -m ruff format --check src tests examples benchmarks
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

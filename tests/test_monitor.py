@@ -117,3 +117,16 @@ def test_identical_numerics_with_and_without_monitor() -> None:
         return losses
 
     assert run(True) == run(False)
+
+
+def test_plain_loop_example_runs() -> None:
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plain_loop.py")], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.count("matches the formula to the byte") == 2
+    assert "before_backward                  96.04             0.00             0.00             2.25" in out
