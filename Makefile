@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint gpu-check bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The prepared CUDA check (cuda-marked tests, the article's loop, the seed model in a Trainer).
+# It runs on the GPU machine's own python3, which holds a CUDA torch and lightning: nothing is installed.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import torch
 from conftest import SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS, RecordingLogger, make_trainer
 from seed_mlp import SeedMLP, seed_loader
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_memtenants.callback as callback_module
@@ -21,6 +25,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def no_saved_tensor_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def no_dispatch_mode() -> bool:
+    return _get_current_dispatch_mode() is None
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +61,61 @@ def test_seed_model_tenants_exact(seed_run) -> None:
     assert report.phases["before_backward"].tenants_bytes["activations"] == 8 * SEED_SAVED_PER_SAMPLE
     assert report.expected_fixed_bytes == report.measured_fixed_bytes == 16 * 25_175_040 + 24
     assert report.fixed_cost_notes == []
-    assert report.peak_bytes is None
+
+
+def test_step_peak_and_the_desk_adds_up(seed_run) -> None:
+    cb, _, _ = seed_run
+    dataset, batch = 16 * 1024 * 4, 8 * 1024 * 4
+    for report in (cb.first, cb.latest):
+        assert report.memory_source == "live-tensor tracker (cpu)"
+        for phase in report.phases.values():
+            assert phase.allocated_bytes == phase.total_bytes + phase.other_bytes
+            # other: the dataset, the batch, and a few scalars (the loss, Lightning's counters)
+            assert dataset + batch <= phase.other_bytes <= dataset + batch + 16
+            assert phase.window_peak_bytes >= phase.allocated_bytes
+        assert report.peak_bytes == max(p.window_peak_bytes for p in report.phases.values())
+        assert report.tenant_sum_bytes == sum(report.tenants_bytes.values())
+        assert report.peak_minus_sum_bytes == report.peak_bytes - report.tenant_sum_bytes
+
+
+def test_first_step_peak_is_inside_the_optimizer_step(seed_run) -> None:
+    cb, _, _ = seed_run
+    first = cb.first
+    assert first.peak_phase == "batch_end"
+    start = first.phases["before_optimizer_step"].allocated_bytes
+    temporaries = first.peak_bytes - start - 201_400_344
+    largest = 4096 * 4096 * 4
+    assert 2 * largest <= temporaries <= 2 * largest + 4096 * 4
+    assert first.peak_explanation.startswith(
+        "peak inside the optimizer step: Adam (single-tensor) temporaries of 128.02 MiB"
+        " (about 2.0 x the largest parameter, 64.00 MiB), on top of 192.07 MiB of optimizer state the step created"
+    )
+    # the article's point: the peak lies above the largest tenant and, with Adam's temporaries, above the sum
+    assert first.peak_bytes > max(first.tenants_bytes.values())
+    assert first.peak_minus_sum_bytes > 0
+
+
+def test_peak_matches_pytorch_memtracker() -> None:
+    script = Path(__file__).resolve().parent / "memtracker_oracle.py"
+    out = subprocess.run([sys.executable, str(script), "256"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert abs(result["ours"] - result["memtracker"]) <= 0.001 * result["memtracker"]
+    assert result["phase"] == "batch_end"
+
+
+def test_tracker_runs_on_logging_steps_by_default() -> None:
+    cb = MemoryTenantsCallback(print_summary=False)
+    make_trainer([cb], steps=4, log_every_n_steps=2).fit(TinyModule(), tiny_loader())
+    assert cb.latest.step == 3 and cb.latest.peak_bytes is None
+    assert cb.latest.peak_explanation == "peak not measured: no memory source measured this step"
+    assert cb.latest.phases["batch_end"].allocated_bytes is None
+    assert cb.latest_measured.step == 2 and cb.latest_measured.peak_bytes > 0
+    every = MemoryTenantsCallback(track_every_step=True, print_summary=False)
+    make_trainer([every], steps=4, log_every_n_steps=2).fit(TinyModule(), tiny_loader())
+    assert every.latest.peak_bytes is not None
+    none = MemoryTenantsCallback(memory_source="none", print_summary=False)
+    make_trainer([none], steps=1).fit(TinyModule(), tiny_loader())
+    assert none.latest.peak_bytes is None and none.latest.memory_source == "not measured"
 
 
 def test_first_step_shows_adam_creating_its_state(seed_run) -> None:
@@ -89,7 +151,8 @@ def test_summary_table_is_printed_at_the_end(seed_run) -> None:
     _, _, printed = seed_run
     assert len(printed) == 2  # the first step, then the last
     assert "optimizer step 1" in printed[-1]
-    assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+384\.14", printed[-1])
+    assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+0\.09\s+384\.23\s+512\.25", printed[-1])
+    assert "peak inside the optimizer step" in printed[-1]
     assert "expected 402,800,664 bytes" in printed[-1]
     assert "matches the formula to the byte" in printed[-1]
 
@@ -97,6 +160,7 @@ def test_summary_table_is_printed_at_the_end(seed_run) -> None:
 def test_no_hooks_left_after_fit(seed_run) -> None:
     cb, _, _ = seed_run
     assert no_saved_tensor_hooks()
+    assert no_dispatch_mode()
     assert cb._monitor is not None and not cb._monitor.tracker._saved
 
 
@@ -244,6 +308,7 @@ def test_user_exceptions_pass_through_unchanged(where: str) -> None:
         make_trainer([MemoryTenantsCallback()], steps=1).fit(module, tiny_loader())
     assert caught.value is module.error
     assert no_saved_tensor_hooks()
+    assert no_dispatch_mode()
 
 
 @pytest.mark.parametrize(
@@ -251,6 +316,9 @@ def test_user_exceptions_pass_through_unchanged(where: str) -> None:
     [
         ({"track_activations": "yes"}, "track_activations must be True or False"),
         ({"print_summary": 1}, "print_summary must be True or False"),
+        ({"track_every_step": None}, "track_every_step must be True or False"),
+        ({"memory_source": "gpu"}, "memory_source must be one of"),
+        ({"memory_source": 3}, "memory_source must be one of"),
         ({"log_every_n_steps": 0}, "log_every_n_steps must be None or a positive int"),
         ({"log_every_n_steps": -3}, "log_every_n_steps must be None or a positive int"),
         ({"log_every_n_steps": 2.5}, "log_every_n_steps must be None or a positive int"),

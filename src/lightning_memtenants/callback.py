@@ -12,6 +12,9 @@ from torch.optim import Optimizer
 
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.report import StepReport, format_table
+from lightning_memtenants.sources import MemorySource, TrackerSource
+
+_SOURCES = ("auto", "tracker", "none")
 
 
 class MemoryTenantsCallback(Callback):
@@ -20,11 +23,19 @@ class MemoryTenantsCallback(Callback):
     At every phase of every training batch (``batch_start``, ``before_backward``,
     ``after_backward``, ``before_optimizer_step``, ``batch_end``) the callback counts each
     tenant's bytes from the tensors themselves and checks the fixed cost against the formula
-    for the optimizer and dtypes in use. Scalars go to the trainer's loggers on logging steps
-    under ``memtenants/``; a table is printed at the end of fit.
+    for the optimizer and dtypes in use. A memory source adds allocated bytes and the peak of
+    each phase window, so the step's true peak can be set against the sum of its tenants.
+    Scalars go to the trainer's loggers on logging steps under ``memtenants/``; a table is
+    printed at the end of fit.
 
     Args:
         track_activations: record what autograd saves for backward (``saved_tensors_hooks``).
+        memory_source: ``"auto"`` uses the allocator's counters on CUDA and other accelerators
+            (every step) and the live-tensor tracker on CPU (logging steps only); ``"tracker"``
+            forces the tracker; ``"none"`` measures tenants only. A :class:`MemorySource` is
+            used as given.
+        track_every_step: run a costly source (the tracker) on every step, not only on
+            logging steps.
         log_every_n_steps: log every this many optimizer steps; ``None`` follows the
             trainer's ``log_every_n_steps``.
         print_summary: print the table of the last step at the end of fit.
@@ -47,36 +58,52 @@ class MemoryTenantsCallback(Callback):
         self,
         *,
         track_activations: bool = True,
+        memory_source: str | MemorySource = "auto",
+        track_every_step: bool = False,
         log_every_n_steps: int | None = None,
         print_summary: bool = True,
     ) -> None:
-        for name, value in (("track_activations", track_activations), ("print_summary", print_summary)):
+        flags = {"track_activations": track_activations, "track_every_step": track_every_step}
+        flags["print_summary"] = print_summary
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
             raise ValueError(f"log_every_n_steps must be None or a positive int, got {log_every_n_steps!r}")
+        if not isinstance(memory_source, MemorySource) and memory_source not in _SOURCES:
+            raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {memory_source!r}")
         self.track_activations = track_activations
+        self.memory_source = memory_source
+        self.track_every_step = track_every_step
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.latest: StepReport | None = None
+        self.latest_measured: StepReport | None = None
         self.first: StepReport | None = None
         self._monitor: TenantMonitor | None = None
         self._stepped = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
-        self.latest = self.first = None
+        self.latest = self.latest_measured = self.first = None
         optimizers: list[Optimizer] = list(trainer.optimizers)
+        source: str | MemorySource | None = self.memory_source
+        if source == "tracker":
+            source = TrackerSource(pl_module.device.type)
+        elif source == "none":
+            source = None
         self._monitor = TenantMonitor(
-            pl_module, optimizers, track_activations=self.track_activations, warn=rank_zero_warn
+            pl_module, optimizers, track_activations=self.track_activations, source=source, warn=rank_zero_warn
         )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._stepped = False
+        if self._monitor is not None:
+            self._monitor.measure = self.track_every_step or self._logs_step(trainer, self._monitor.steps_done)
         self._phase("batch_start", batch)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -105,6 +132,8 @@ class MemoryTenantsCallback(Callback):
         if report is None:
             return
         self.latest = report
+        if report.peak_bytes is not None:
+            self.latest_measured = report
         if self.first is None:
             self.first = report
         if self._should_log(trainer, report):
@@ -131,11 +160,12 @@ class MemoryTenantsCallback(Callback):
         if self._monitor is not None:
             self._monitor.close()
 
-    def _should_log(self, trainer: pl.Trainer, report: StepReport) -> bool:
-        if not trainer.loggers:
-            return False
+    def _logs_step(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        return every > 0 and report.step % every == 0
+        return every > 0 and step % every == 0
+
+    def _should_log(self, trainer: pl.Trainer, report: StepReport) -> bool:
+        return bool(trainer.loggers) and self._logs_step(trainer, report.step)
 
     def _log(self, trainer: pl.Trainer, report: StepReport) -> None:
         monitor = self._monitor

@@ -51,7 +51,11 @@ def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]
     """Every tensor in every optimizer's ``state``, scalar ``step`` counters included."""
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            yield from _tensors_in(state)
+            for value in state.values() if isinstance(state, dict) else (state,):
+                if isinstance(value, Tensor):
+                    yield value
+                else:
+                    yield from _tensors_in(value)
 
 
 class ActivationTracker:
@@ -133,18 +137,27 @@ def _unpack(tensor: Tensor) -> Tensor:
 
 
 def take_census(
-    module: nn.Module,
+    module: nn.Module | Sequence[Tensor],
     optimizers: Sequence[Optimizer] = (),
     activations: ActivationTracker | None = None,
+    *,
+    optimizer_state_bytes: int | None = None,
 ) -> dict[str, int]:
     """Bytes of each tenant right now; a storage shared by two tenants counts for the first.
 
-    The order of precedence is weights, gradients, optimizer state, activations.
+    The order of precedence is weights, gradients, optimizer state, activations. On a hot
+    path, ``module`` may be the list of its parameters and buffers (no walk of the module
+    tree), and ``optimizer_state_bytes`` a count known not to have changed (no walk of the
+    optimizer state).
     """
     seen: set[int] = set()
-    weights = unique_storage_bytes(chain(module.parameters(), module.buffers()), seen)
-    gradients = unique_storage_bytes((p.grad for p in module.parameters() if p.grad is not None), seen)
-    optimizer_state = unique_storage_bytes(optimizer_state_tensors(optimizers), seen)
+    tensors = list(chain(module.parameters(), module.buffers())) if isinstance(module, nn.Module) else module
+    weights = unique_storage_bytes(tensors, seen)
+    gradients = unique_storage_bytes([t.grad for t in tensors if t.grad is not None], seen)
+    if optimizer_state_bytes is None:
+        optimizer_state = unique_storage_bytes(optimizer_state_tensors(optimizers), seen)
+    else:
+        optimizer_state = optimizer_state_bytes
     saved = activations.live_bytes(exclude=seen) if activations is not None else 0
     return {
         "weights": weights,

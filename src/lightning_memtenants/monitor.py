@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from itertools import chain
 from typing import Any
 
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants.census import TENANTS, ActivationTracker, take_census
+from lightning_memtenants.census import TENANTS, ActivationTracker, optimizer_state_tensors, take_census
 from lightning_memtenants.formulas import expected_fixed_cost, explain_fixed_cost
-from lightning_memtenants.report import PHASES, PhaseReport, StepReport
+from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain_peak
+from lightning_memtenants.sources import MemorySource, Reading, source_for
 
 _TRACK_FROM = frozenset({"batch_start", "after_backward"})
 _TRACK_UNTIL = frozenset({"before_backward", "batch_end"})
 
 
 class TenantMonitor:
-    """Measures the four tenants at named phases of each step and builds a :class:`StepReport`.
+    """Measures the four tenants and the memory source at named phases; builds a :class:`StepReport`.
 
     Autograd's saved tensors are recorded from ``batch_start`` to ``before_backward`` and
     again from ``after_backward`` (a second forward under manual optimization) to ``batch_end``.
     The input batch is not counted as activations: it is resident whether or not autograd
     saves it.
+
+    ``source`` is ``"auto"`` (allocator counters on accelerators, the live-tensor tracker on
+    CPU), a :class:`MemorySource`, or ``None`` for tenants only. Set ``measure = False``
+    before a step's ``batch_start`` to skip a costly source for that step.
 
     Example::
 
@@ -48,15 +56,30 @@ class TenantMonitor:
         optimizers: Sequence[Optimizer] = (),
         *,
         track_activations: bool = True,
+        source: MemorySource | str | None = "auto",
         warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
         self.tracker = ActivationTracker()
+        if source == "auto":
+            device = next(chain(module.parameters(), module.buffers()), None)
+            source = source_for(device.device) if device is not None else MemorySource()
+        elif source is None:
+            source = MemorySource()
+        elif not isinstance(source, MemorySource):
+            raise ValueError(f"source must be 'auto', None or a MemorySource, got {source!r}")
+        self.source: MemorySource = source
+        self.measure = True
         self.disabled: set[str] = set() if track_activations else {"activations"}
         self._warn = warn
         self._micro: list[dict[str, PhaseReport]] = []
-        self._steps = 0
+        self._tensors: list[Tensor] | None = None
+        self._state_bytes: int | None = None
+        self._stepping = False
+        self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
+        self._measuring = False
+        self.steps_done = 0
 
     def phase(self, name: str, batch: Any = None) -> PhaseReport | None:
         """Take the census at phase ``name``; ``batch_start`` opens a new micro-batch."""
@@ -64,6 +87,8 @@ class TenantMonitor:
             raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
         if name == "batch_start":
             self.tracker.clear()
+            if not self._micro:
+                self._begin_step(batch)
             self._micro.append({})
             if batch is not None:
                 self.guard("activations", self.tracker.ignore, _batch_tensors(batch))
@@ -73,13 +98,28 @@ class TenantMonitor:
             self.tracker.stop()
         if self.tracker.error is not None and "activations" not in self.disabled:
             self._disable("activations", self.tracker.error)
+        reading = Reading()
+        if self._measuring:
+            reading = self.guard("memory source", self.source.read) or Reading()
         report = None
         if "census" not in self.disabled:
+            if name == "batch_start" or self._tensors is None:
+                self._tensors = list(chain(self.module.parameters(), self.module.buffers()))
+            # Optimizer state changes only inside optimizer.step(), which runs after before_optimizer_step.
+            recount = name in ("batch_start", "batch_end") or self._stepping or self._state_bytes is None
             tracker = None if "activations" in self.disabled else self.tracker
-            tenants = self.guard("census", take_census, self.module, self.optimizers, tracker)
+            state = None if recount else self._state_bytes
+            tenants = self.guard(
+                "census", partial(take_census, optimizer_state_bytes=state), self._tensors, self.optimizers, tracker
+            )
             if tenants is not None:
-                report = PhaseReport(name, tenants)
+                self._state_bytes = tenants["optimizer_state"]
+                report = PhaseReport(name, tenants, *_fields(reading))
                 self._micro[-1][name] = report
+        if name == "batch_start":
+            self._stepping = False
+        elif name == "before_optimizer_step":
+            self._stepping = True
         if name in _TRACK_FROM and "activations" not in self.disabled:
             self.guard("activations", self.tracker.start)
         return report
@@ -89,8 +129,11 @@ class TenantMonitor:
         micro, self._micro = self._micro, []
         self.tracker.stop()
         self.tracker.clear()
-        step = self._steps
-        self._steps += 1
+        if self._measuring and not self.source.every_step:
+            self.guard("memory source", self.source.pause)
+        self._measuring = False
+        step = self.steps_done
+        self.steps_done += 1
         phases: dict[str, PhaseReport] = {}
         for batch_phases in micro:
             phases.update(batch_phases)
@@ -105,26 +148,31 @@ class TenantMonitor:
             checked = self.guard("fixed_cost", self._check_fixed, measured)
             if checked is not None:
                 expected, notes = checked
-        measured_fixed = measured["weights"] + measured["gradients"] + measured["optimizer_state"]
+        peak, peak_phase = _step_peak(micro)
+        explanation = self.guard("peak explanation", self._explain_peak, phases, peak_phase, peak)
         return StepReport(
             step=step,
             phases=phases,
             micro_batches=micro,
             tenants_bytes=high,
             expected_fixed_bytes=expected,
-            measured_fixed_bytes=measured_fixed,
+            measured_fixed_bytes=measured["weights"] + measured["gradients"] + measured["optimizer_state"],
             fixed_cost_notes=notes,
+            peak_bytes=peak,
+            peak_phase=peak_phase,
+            peak_explanation=explanation or "peak not measured",
+            memory_source=self.source.status if peak is not None else "not measured",
         )
 
     def close(self) -> None:
-        """Remove every hook this monitor registered; safe to call more than once."""
+        """Remove every hook and mode this monitor registered; safe to call more than once."""
         self.tracker.stop()
         self.tracker.clear()
         self._micro = []
-
-    def _check_fixed(self, measured: dict[str, int]) -> tuple[int, list[str]]:
-        expected = expected_fixed_cost(self.module, self.optimizers)
-        return expected.total_bytes, explain_fixed_cost(expected, measured, self.module, self.optimizers)
+        self._tensors = None
+        self._state_bytes = None
+        self._measuring = False
+        self.guard("memory source", self.source.stop)
 
     def guard(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn``; if it raises, warn once, disable ``part`` and return None."""
@@ -136,13 +184,86 @@ class TenantMonitor:
             self._disable(part, error)
             return None
 
+    def _begin_step(self, batch: Any) -> None:
+        self._measuring = "memory source" not in self.disabled and (self.measure or self.source.every_step)
+        if self._measuring:
+            self.guard("memory source", self.source.start, self._roots(batch))
+            self._measuring = "memory source" not in self.disabled
+
+    def _roots(self, batch: Any) -> Iterator[Tensor]:
+        params = list(self.module.parameters())
+        yield from params
+        yield from self.module.buffers()
+        yield from (p.grad for p in params if p.grad is not None)
+        yield from optimizer_state_tensors(self.optimizers)
+        if batch is not None:
+            yield from _batch_tensors(batch)
+
+    def _check_fixed(self, measured: dict[str, int]) -> tuple[int, list[str]]:
+        """The formula and its sentences; recomputed on measured steps or when the census changes."""
+        key = (measured["weights"], measured["gradients"], measured["optimizer_state"])
+        if self._fixed is not None and self._fixed[0] == key and not self.measure:
+            return self._fixed[1][0], list(self._fixed[1][1])
+        expected = expected_fixed_cost(self.module, self.optimizers)
+        result = (expected.total_bytes, explain_fixed_cost(expected, measured, self.module, self.optimizers))
+        self._fixed = (key, result)
+        return result[0], list(result[1])
+
+    def _explain_peak(self, phases: dict[str, PhaseReport], peak_phase: str | None, peak: int | None) -> str:
+        sizes = [p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad]
+        return explain_peak(
+            phases,
+            peak_phase,
+            peak,
+            largest_parameter_bytes=max(sizes, default=0),
+            optimizer=describe_optimizers(self.optimizers),
+        )
+
     def _disable(self, part: str, error: BaseException) -> None:
         self.disabled.add(part)
         if part == "activations":
             self.tracker.stop()
+        if part == "memory source":
+            self._measuring = False
+            with contextlib.suppress(Exception):
+                self.source.stop()
         self._warn(
             f"memtenants: measuring {part} failed ({type(error).__name__}: {error}); {part} is disabled from now on"
         )
+
+
+def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
+    """Each optimizer's class and the implementation its step runs: single-tensor, foreach or fused."""
+    names = []
+    for optimizer in optimizers:
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        if group.get("fused"):
+            impl = "fused"
+        elif group.get("foreach") or (
+            group.get("foreach") is None
+            and "foreach" in group
+            and all(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+        ):
+            impl = "foreach"
+        else:
+            impl = "single-tensor"
+        names.append(f"{type(optimizer).__name__} ({impl})")
+    return ", ".join(names) or "no optimizer"
+
+
+def _fields(reading: Reading) -> tuple[int | None, int | None, int | None]:
+    return reading.allocated_bytes, reading.window_peak_bytes, reading.reserved_bytes
+
+
+def _step_peak(micro: list[dict[str, PhaseReport]]) -> tuple[int | None, str | None]:
+    """The highest point of the step; the window before ``batch_start`` counts only at its end."""
+    best: tuple[int | None, str | None] = (None, None)
+    for batch_phases in micro:
+        for name, phase in batch_phases.items():
+            value = phase.allocated_bytes if name == "batch_start" else phase.window_peak_bytes
+            if value is not None and (best[0] is None or value > best[0]):
+                best = (value, name)
+    return best
 
 
 def _batch_tensors(batch: Any) -> list[Tensor]:

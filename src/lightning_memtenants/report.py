@@ -7,24 +7,51 @@ from dataclasses import dataclass, field
 from lightning_memtenants.census import TENANTS
 
 PHASES: tuple[str, ...] = ("batch_start", "before_backward", "after_backward", "before_optimizer_step", "batch_end")
+# What runs in the window that ends at each phase boundary.
+WINDOWS: dict[str, str] = {
+    "batch_start": "before the batch (data loading, validation)",
+    "before_backward": "the forward pass",
+    "after_backward": "backward",
+    "before_optimizer_step": "between backward and the optimizer step",
+    "batch_end": "the optimizer step",
+}
 MiB = 1024**2
 
 
 @dataclass(frozen=True)
 class PhaseReport:
-    """The tenants at one phase boundary."""
+    """The tenants at one phase boundary, and what the memory source saw there.
+
+    ``window_peak_bytes`` is the peak of the window that ends at this boundary (see ``WINDOWS``).
+    """
 
     name: str
     tenants_bytes: dict[str, int]
+    allocated_bytes: int | None = None
+    window_peak_bytes: int | None = None
+    reserved_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
+        """The four tenants together."""
         return sum(self.tenants_bytes.values())
+
+    @property
+    def other_bytes(self) -> int | None:
+        """Allocated minus the four tenants: the batch, temporaries, caches; so the desk adds up."""
+        return None if self.allocated_bytes is None else self.allocated_bytes - self.total_bytes
+
+    @property
+    def fragmentation_bytes(self) -> int | None:
+        """Reserved by the allocator but not allocated (CUDA and accelerators only)."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return self.reserved_bytes - self.allocated_bytes
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """One optimizer step: the tenants at each phase, their high-water marks, the fixed-cost check.
+    """One optimizer step: the tenants at each phase, their high-water marks, the fixed-cost check, the peak.
 
     ``phases`` holds the last occurrence of each phase in the step; ``micro_batches`` keeps
     every micro-batch's phases when gradients are accumulated.
@@ -38,19 +65,49 @@ class StepReport:
     measured_fixed_bytes: int
     fixed_cost_notes: list[str] = field(default_factory=list)
     peak_bytes: int | None = None
+    peak_phase: str | None = None
+    peak_explanation: str = "peak not measured"
+    memory_source: str = "not measured"
 
     @property
     def fixed_deviation_bytes(self) -> int:
         return self.measured_fixed_bytes - self.expected_fixed_bytes
 
+    @property
+    def tenant_sum_bytes(self) -> int:
+        """The sum of the four tenants' high-water marks: an upper bound only if nothing else lives."""
+        return sum(self.tenants_bytes.values())
+
+    @property
+    def peak_minus_sum_bytes(self) -> int | None:
+        """The true peak minus the tenant sum: below 0 when tenants never coexist at their highs."""
+        return None if self.peak_bytes is None else self.peak_bytes - self.tenant_sum_bytes
+
+    @property
+    def other_bytes(self) -> int | None:
+        """High-water mark of ``other`` over the phases where it was measured."""
+        values = [p.other_bytes for mb in self.micro_batches for p in mb.values() if p.other_bytes is not None]
+        return max(values) if values else None
+
     def metrics(self) -> dict[str, float]:
         """The scalars we log, keyed by tag; every tag carries its unit."""
         out = {f"memtenants/{name}_MiB": value / MiB for name, value in self.tenants_bytes.items()}
+        out["memtenants/tenant_sum_MiB"] = self.tenant_sum_bytes / MiB
         out["memtenants/fixed_expected_MiB"] = self.expected_fixed_bytes / MiB
         out["memtenants/fixed_measured_MiB"] = self.measured_fixed_bytes / MiB
         out["memtenants/fixed_deviation_MiB"] = self.fixed_deviation_bytes / MiB
-        if self.peak_bytes is not None:
-            out["memtenants/peak_MiB"] = self.peak_bytes / MiB
+        optional = {
+            "memtenants/peak_MiB": self.peak_bytes,
+            "memtenants/peak_minus_sum_MiB": self.peak_minus_sum_bytes,
+            "memtenants/other_MiB": self.other_bytes,
+        }
+        for name, phase in self.phases.items():
+            optional[f"memtenants/allocated/{name}_MiB"] = phase.allocated_bytes
+            optional[f"memtenants/window_peak/{name}_MiB"] = phase.window_peak_bytes
+            if name == "batch_end":
+                optional["memtenants/reserved_MiB"] = phase.reserved_bytes
+                optional["memtenants/fragmentation_MiB"] = phase.fragmentation_bytes
+        out.update({tag: value / MiB for tag, value in optional.items() if value is not None})
         return dict(sorted(out.items()))
 
 
@@ -59,16 +116,29 @@ def _mib(value: int | None) -> str:
 
 
 def format_table(report: StepReport) -> str:
-    """A plain-text table like the article's: tenants (MiB) at each phase, then the fixed-cost check."""
+    """A plain-text table like the article's: tenants (MiB) at each phase, the peak, the fixed-cost check."""
+    columns = (*TENANTS, "other", "allocated", "window peak")
     width = max(len(name) for name in (*PHASES, "high-water mark"))
-    header = f"{'phase (MiB)':<{width}}" + "".join(f"{t:>17}" for t in (*TENANTS, "sum"))
-    lines = [f"memtenants: optimizer step {report.step}", header, "-" * len(header)]
-    rows = [(name, report.phases[name].tenants_bytes) for name in PHASES if name in report.phases]
-    rows.append(("high-water mark", report.tenants_bytes))
-    for name, tenants in rows:
-        cells = [tenants[t] for t in TENANTS] + [sum(tenants.values())]
-        lines.append(f"{name:<{width}}" + "".join(f"{c / MiB:>17.2f}" for c in cells))
+    header = f"{'phase (MiB)':<{width}}" + "".join(f"{c:>16}" for c in columns)
+    lines = [f"memtenants: optimizer step {report.step} (memory source: {report.memory_source})", header]
+    lines.append("-" * len(header))
+    rows = [(name, report.phases[name]) for name in PHASES if name in report.phases]
+    for name, phase in rows:
+        cells = [phase.tenants_bytes[t] for t in TENANTS] + [
+            phase.other_bytes,
+            phase.allocated_bytes,
+            phase.window_peak_bytes,
+        ]
+        lines.append(f"{name:<{width}}" + "".join(f"{_cell(c):>16}" for c in cells))
+    high = [report.tenants_bytes[t] for t in TENANTS] + [report.other_bytes, None, report.peak_bytes]
+    lines.append(f"{'high-water mark':<{width}}" + "".join(f"{_cell(c):>16}" for c in high))
     lines.append("")
+    largest = max(TENANTS, key=lambda t: report.tenants_bytes[t])
+    lines.append(
+        f"peak {_mib(report.peak_bytes)} MiB; largest tenant {largest} {_mib(report.tenants_bytes[largest])} MiB;"
+        f" sum of tenants {_mib(report.tenant_sum_bytes)} MiB"
+    )
+    lines.append(f"- {report.peak_explanation}")
     lines.append(
         f"fixed cost (weights + gradients + optimizer state): expected {report.expected_fixed_bytes:,} bytes"
         f" ({report.expected_fixed_bytes / MiB:.2f} MiB), measured {report.measured_fixed_bytes:,} bytes"
@@ -77,5 +147,45 @@ def format_table(report: StepReport) -> str:
     if report.fixed_deviation_bytes == 0:
         lines.append("- the measured fixed cost matches the formula to the byte")
     lines.extend(f"- {note}" for note in report.fixed_cost_notes)
-    lines.append(f"peak of the step (MiB): {_mib(report.peak_bytes)}")
     return "\n".join(lines)
+
+
+def _cell(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.2f}"
+
+
+def explain_peak(
+    phases: dict[str, PhaseReport],
+    peak_phase: str | None,
+    peak_bytes: int | None,
+    *,
+    largest_parameter_bytes: int,
+    optimizer: str,
+) -> str:
+    """One sentence on what held memory at the peak, from the phases around it."""
+    if peak_bytes is None or peak_phase is None:
+        return "peak not measured: no memory source measured this step"
+    where = f"peak inside {WINDOWS[peak_phase]}"
+    phase = phases[peak_phase]
+    start = phases.get("before_optimizer_step")
+    if peak_phase == "batch_end" and start is not None and start.allocated_bytes is not None:
+        created = phase.tenants_bytes["optimizer_state"] - start.tenants_bytes["optimizer_state"]
+        temporaries = peak_bytes - start.allocated_bytes - max(created, 0)
+        ratio = temporaries / largest_parameter_bytes if largest_parameter_bytes else 0.0
+        text = (
+            f"{where}: {optimizer} temporaries of {temporaries / MiB:.2f} MiB"
+            f" (about {ratio:.1f} x the largest parameter, {largest_parameter_bytes / MiB:.2f} MiB)"
+        )
+        if created > 0:
+            text += f", on top of {created / MiB:.2f} MiB of optimizer state the step created"
+        return text
+    if peak_phase == "before_backward":
+        text = f"{where}: {phase.tenants_bytes['activations'] / MiB:.2f} MiB of activations on top of the fixed tenants"
+        begin = phases.get("batch_start")
+        if begin is not None and begin.tenants_bytes["gradients"] > 0:
+            text += "; the previous step's gradients are still resident (Lightning zeroes them after the forward)"
+        return text
+    if peak_phase == "after_backward":
+        gradients = phase.tenants_bytes["gradients"] / MiB
+        return f"{where}: gradients ({gradients:.2f} MiB) materialise while activations are still alive"
+    return where

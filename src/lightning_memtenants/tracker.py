@@ -1,0 +1,154 @@
+"""A live-tensor tracker: exact current and peak bytes on CPU and fake devices.
+
+Every storage an operator creates is registered through a ``TorchDispatchMode``; a weak
+reference with a callback takes it off again when it is freed. Storages that already
+existed are found once by a ``gc`` scan, plus any roots the caller names (gradients held
+only by C++, say). It costs a Python call per operator, so the callback runs it on logging
+steps unless asked otherwise.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+
+def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, Tensor):
+                yield from _storages(inner)
+    else:
+        yield tensor.untyped_storage()
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: LiveTensorTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, Tensor):
+            self.tracker.add(out)
+        elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
+            for tensor in out:
+                self.tracker.add(tensor)
+        else:
+            self.tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+        return out
+
+
+class LiveTensorTracker:
+    """Follows every live storage on one device type; gives current bytes and window peaks.
+
+    Example::
+
+        with LiveTensorTracker() as tracker:
+            loss = model(x).sum()
+            loss.backward()
+            optimizer.step()
+        tracker.peak_bytes  # the true peak of the step, to the byte
+    """
+
+    def __init__(self, device_type: str | None = "cpu", *, scan: bool = True) -> None:
+        self.device_type = device_type
+        self.scan = scan
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._window_peak = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._mode: _Mode | None = None
+        self._scanned = False
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self, roots: Iterable[Tensor] = ()) -> None:
+        """Begin following allocations; the first start also scans for tensors that already exist."""
+        if self.scan and not self._scanned:
+            self._scanned = True
+            self.register(o for o in gc.get_objects() if issubclass(type(o), Tensor))
+        self.register(roots)
+        self.peak_bytes = self._window_peak = self.current_bytes
+        if self._mode is None:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+
+    def pause(self) -> None:
+        """Stop seeing new allocations; frees of known storages are still followed."""
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def stop(self) -> None:
+        """Stop and forget everything; a later start scans again."""
+        self.pause()
+        self._live.clear()
+        self._scanned = False
+        self.current_bytes = self.peak_bytes = self._window_peak = 0
+
+    def __enter__(self) -> LiveTensorTracker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pause()
+
+    def read(self) -> tuple[int, int]:
+        """Current bytes and the peak since the previous read (or start); opens a new window."""
+        peak, self._window_peak = self._window_peak, self.current_bytes
+        return self.current_bytes, peak
+
+    def register(self, tensors: Iterable[Tensor]) -> None:
+        """Count the storages behind ``tensors`` that are not counted yet."""
+        for tensor in tensors:
+            self.add(tensor)
+
+    def add(self, tensor: Tensor) -> None:
+        """Count the storage behind one tensor (or the storages inside a wrapper subclass)."""
+        if self.device_type is not None and tensor.device.type != self.device_type:
+            return
+        if type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor):
+            self._add_storage(tensor.untyped_storage())
+        else:
+            for storage in _storages(tensor):
+                self._add_storage(storage)
+
+    def _add_storage(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        known = self._live.get(key)
+        nbytes = int(storage.nbytes())
+        if known is None:
+            self._live[key] = (weakref.ref(storage, self._freed_callback(key)), nbytes)
+            self._grow(nbytes)
+        elif known[1] != nbytes:
+            self._live[key] = (known[0], nbytes)
+            self._grow(nbytes - known[1])
+
+    def _grow(self, nbytes: int) -> None:
+        self.current_bytes += nbytes
+        if self.current_bytes > self._window_peak:
+            self._window_peak = self.current_bytes
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+
+    def _freed_callback(self, key: int) -> Any:
+        live = self._live
+
+        def freed(_: weakref.ref) -> None:
+            entry = live.pop(key, None)
+            if entry is not None and live is self._live:
+                self.current_bytes -= entry[1]
+
+        return freed

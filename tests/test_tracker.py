@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import torch
+from torch._subclasses import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from lightning_memtenants.tracker import LiveTensorTracker
+
+F32 = 4
+
+
+def fresh() -> LiveTensorTracker:
+    return LiveTensorTracker(scan=False)  # count only what the test creates
+
+
+def test_allocations_and_frees_exact() -> None:
+    with fresh() as tracker:
+        a = torch.ones(1000)
+        b = torch.ones(500)
+        assert tracker.read() == (1500 * F32, 1500 * F32)
+        del a
+        c = torch.ones(200)
+        assert tracker.read() == (700 * F32, 1500 * F32)
+        del b, c
+        assert tracker.read() == (0, 700 * F32)
+    assert _get_current_dispatch_mode() is None
+
+
+def test_views_and_in_place_ops_allocate_nothing() -> None:
+    with fresh() as tracker:
+        a = torch.zeros(64, 64)
+        tracker.read()
+        v = a.t()[3:10]
+        a.add_(1.0)
+        v.mul_(2.0)
+        w = a.view(-1)
+        assert tracker.read() == (64 * 64 * F32, 64 * 64 * F32)
+        assert w.shape == (4096,)
+
+
+def test_storage_freed_inside_a_window_still_sets_its_peak() -> None:
+    with fresh() as tracker:
+        keep = torch.zeros(100)
+        tracker.read()
+        temporary = torch.zeros(10_000)
+        del temporary
+        assert tracker.read() == (100 * F32, 10_100 * F32)
+        assert tracker.peak_bytes == 10_100 * F32
+        del keep
+
+
+def test_tensors_created_under_no_grad_and_by_backward() -> None:
+    weight = torch.ones(8, 8, requires_grad=True)
+    with fresh() as tracker:
+        with torch.no_grad():
+            buffer = torch.zeros(8, 8)
+        assert tracker.current_bytes == 64 * F32
+        loss = (torch.ones(4, 8) @ weight).sum()  # mm saves its input; sum frees the product
+        assert tracker.current_bytes == (64 + 32) * F32 + F32
+        assert tracker.peak_bytes == (64 + 32 + 32) * F32 + F32
+        loss.backward()  # the gradient of weight is 64 floats; backward's temporaries come and go
+        assert weight.grad is not None and tracker.peak_bytes >= tracker.current_bytes
+        del buffer
+    assert weight.grad.shape == (8, 8)
+
+
+def test_existing_tensors_are_found_by_the_scan_and_roots() -> None:
+    existing = torch.zeros(12_345)
+    tracker = LiveTensorTracker()
+    tracker.start()
+    assert tracker.current_bytes >= 12_345 * F32
+    tracker.stop()
+    roots_only = LiveTensorTracker(scan=False)
+    roots_only.start(roots=[existing, existing[5:]])
+    assert roots_only.current_bytes == 12_345 * F32
+    roots_only.stop()
+    assert roots_only.current_bytes == 0 and not roots_only.active
+
+
+def test_pause_keeps_following_frees() -> None:
+    tracker = fresh()
+    tracker.start()
+    a = torch.zeros(300)
+    tracker.pause()
+    assert _get_current_dispatch_mode() is None
+    b = torch.zeros(1000)  # unseen while paused
+    del a
+    assert tracker.current_bytes == 0
+    del b
+
+
+def test_fake_tensors_are_tracked_by_storage_identity() -> None:
+    with FakeTensorMode():
+        tracker = LiveTensorTracker(scan=False)
+        with tracker:
+            a = torch.empty(256, 256)
+            b = a[:128]
+            c = torch.empty(1000, dtype=torch.float64)
+            assert tracker.current_bytes == 256 * 256 * F32 + 8000
+            del a, b
+            assert tracker.current_bytes == 8000
+            del c
+            assert tracker.read() == (0, 256 * 256 * F32 + 8000)
+
+
+def test_other_devices_are_ignored() -> None:
+    tracker = LiveTensorTracker("cuda", scan=False)
+    with tracker:
+        a = torch.zeros(100)
+    assert tracker.current_bytes == 0
+    del a
