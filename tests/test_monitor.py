@@ -61,12 +61,12 @@ def test_unknown_phase_is_refused() -> None:
 
 
 def test_failing_census_warns_once_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_memtenants.monitor as monitor_module
+    from lightning_memtenants.census import TenantCounter
 
     def broken(*args, **kwargs):
         raise RuntimeError("census exploded")
 
-    monkeypatch.setattr(monitor_module, "take_census", broken)
+    monkeypatch.setattr(TenantCounter, "count", broken)
     warnings: list[str] = []
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -86,12 +86,14 @@ def test_failing_activation_tracker_disables_only_activations(monkeypatch: pytes
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TenantMonitor(model, [optimizer], warn=warnings.append)
 
+    import types
+
     import lightning_memtenants.census as census_module
 
     def broken(storage):
         raise RuntimeError("pack exploded")
 
-    monkeypatch.setattr(census_module, "StorageWeakRef", broken)
+    monkeypatch.setattr(census_module, "weakref", types.SimpleNamespace(ref=broken))
     for _ in range(2):
         report, _ = plain_step(monitor, model, optimizer, torch.randn(2, 4))
         assert report is not None

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_memtenants.alerts import (
+    LeakDetector,
+    MemoryBudgetError,
+    device_budget_bytes,
+    first_step_jump_bytes,
+    optimizer_step_temporaries_bytes,
+    ranked_fixes,
+    write_postmortem,
+)
+from lightning_memtenants.census import take_census
+from lightning_memtenants.forecast import PeakForecast, batch_elements, parse_bytes
 from lightning_memtenants.monitor import TenantMonitor
-from lightning_memtenants.report import StepReport, format_table
+from lightning_memtenants.report import PHASES, WINDOW_NAMES, MiB, StepReport, format_table
 from lightning_memtenants.sources import MemorySource, TrackerSource
 
 _SOURCES = ("auto", "tracker", "none")
@@ -36,6 +52,17 @@ class MemoryTenantsCallback(Callback):
             used as given.
         track_every_step: run a costly source (the tracker) on every step, not only on
             logging steps.
+        budget_bytes: the memory the step may use, in bytes or a string like ``"24GiB"``.
+            ``None`` uses the CUDA device's total (reduced by ``set_per_process_memory_fraction``);
+            on CPU there is no budget unless given, and no headroom warnings.
+        margin: the fraction of the budget kept free for allocator rounding; warnings fire
+            when a prediction passes ``budget x (1 - margin)``.
+        strict: raise :class:`MemoryBudgetError` instead of warning when the first optimizer
+            step is predicted not to fit.
+        postmortem_dir: where an OOM postmortem is written; ``None`` uses the logger's
+            directory, else the working directory.
+        record_history: on CUDA, record the allocator's history and dump a snapshot for
+            pytorch.org/memory_viz next to the postmortem.
         log_every_n_steps: log every this many optimizer steps; ``None`` follows the
             trainer's ``log_every_n_steps``.
         print_summary: print the table of the last step at the end of fit.
@@ -62,9 +89,14 @@ class MemoryTenantsCallback(Callback):
         track_every_step: bool = False,
         log_every_n_steps: int | None = None,
         print_summary: bool = True,
+        budget_bytes: int | str | None = None,
+        margin: float = 0.05,
+        strict: bool = False,
+        postmortem_dir: str | os.PathLike[str] | None = None,
+        record_history: bool = False,
     ) -> None:
         flags = {"track_activations": track_activations, "track_every_step": track_every_step}
-        flags["print_summary"] = print_summary
+        flags.update(print_summary=print_summary, strict=strict, record_history=record_history)
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -74,6 +106,21 @@ class MemoryTenantsCallback(Callback):
             raise ValueError(f"log_every_n_steps must be None or a positive int, got {log_every_n_steps!r}")
         if not isinstance(memory_source, MemorySource) and memory_source not in _SOURCES:
             raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {memory_source!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
+        if postmortem_dir is not None and not isinstance(postmortem_dir, (str, os.PathLike)):
+            raise ValueError(f"postmortem_dir must be None or a path, got {postmortem_dir!r}")
+        self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        self.margin = float(margin)
+        self.strict = strict
+        self.postmortem_dir = postmortem_dir
+        self.record_history = record_history
+        self.postmortem_path: Path | None = None
+        self.forecast = PeakForecast()
+        self.leaks = LeakDetector()
+        self._budget: int | None = None
+        self._warned: set[str] = set()
+        self._batch: tuple[int, int, int] = (0, 0, 0)
         self.track_activations = track_activations
         self.memory_source = memory_source
         self.track_every_step = track_every_step
@@ -97,17 +144,69 @@ class MemoryTenantsCallback(Callback):
         self._monitor = TenantMonitor(
             pl_module, optimizers, track_activations=self.track_activations, source=source, warn=rank_zero_warn
         )
+        self._warned = set()
+        self._budget = self.budget_bytes or device_budget_bytes(pl_module.device)
+        if self.record_history and pl_module.device.type == "cuda":
+            self._monitor.guard("allocator history", torch.cuda.memory._record_memory_history)
+
+    @property
+    def budget(self) -> int | None:
+        """The budget in bytes this run checks against (before the margin), or None."""
+        return self._budget
+
+    def predict_peak_bytes(self, batch_size: int) -> int | None:
+        """The predicted step peak for ``batch_size`` samples, from the steps measured so far."""
+        return self.forecast.predict_peak_bytes(batch_size)
+
+    def max_batch_size(
+        self, budget_bytes: int | str | None = None, *, elements_per_sample: float | None = None
+    ) -> int | None:
+        """The largest batch whose predicted peak fits the budget (after the margin).
+
+        Samples are sized as the longest seen so far, or as ``elements_per_sample`` input
+        elements (e.g. the longest sequence in the dataset).
+        """
+        budget = self._budget if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        if budget is None:
+            return None
+        return self.forecast.max_batch_size(int(budget * (1 - self.margin)), elements_per_sample)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._stepped = False
-        if self._monitor is not None:
-            self._monitor.measure = self.track_every_step or self._logs_step(trainer, self._monitor.steps_done)
+        monitor = self._monitor
+        if monitor is None:
+            return
+        monitor.measure = self.track_every_step or self._logs_step(trainer, monitor.steps_done)
+        sized = monitor.guard("forecast", _batch_size, batch)
+        if sized is not None:
+            elements, _nbytes, samples = sized
+            if self.forecast.ready and elements > self.forecast.largest_elements:
+                projected = self.forecast.predict_for_elements(elements)
+                if projected is not None:
+                    self._check(
+                        "larger batch",
+                        projected,
+                        f"batch {batch_idx} is the largest yet ({samples} samples, {elements:,} elements, was"
+                        f" {self.forecast.largest_elements:,}); its projected peak",
+                        "cap the batch size or the sequence length, or sort and bucket samples by length",
+                    )
+            self._batch = sized
         self._phase("batch_start", batch)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._phase("before_backward")
+        monitor = self._monitor
+        if monitor is not None and self._budget is not None and "forecast" not in monitor.disabled:
+            projected = monitor.guard("forecast", self._project_backward)
+            if projected is not None:
+                self._check(
+                    "backward",
+                    projected,
+                    "the projected peak of this batch's backward and optimizer step",
+                    "lower the batch size, or use activation checkpointing or bf16-mixed",
+                )
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._phase("after_backward")
@@ -117,6 +216,19 @@ class MemoryTenantsCallback(Callback):
     ) -> None:
         self._stepped = True
         self._phase("before_optimizer_step")
+        monitor = self._monitor
+        if monitor is not None and monitor.steps_done == 0 and self._budget is not None:
+            projected = monitor.guard("forecast", self._project_first_step)
+            if projected is not None:
+                total, state, temporaries = projected
+                self._check(
+                    "first step",
+                    total,
+                    f"the first optimizer step adds {state / MiB:.2f} MiB of optimizer state and about"
+                    f" {temporaries / MiB:.2f} MiB of temporaries; its projected peak",
+                    "shard the optimizer state (ZeRO or FSDP), use fused=True, or an optimizer with less state",
+                    strict=self.strict,
+                )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -134,10 +246,21 @@ class MemoryTenantsCallback(Callback):
         self.latest = report
         if report.peak_bytes is not None:
             self.latest_measured = report
+            elements, nbytes, samples = self._batch
+            monitor.guard("forecast", self.forecast.observe, report, elements, nbytes, samples)
+            start = report.micro_batches[0].get("batch_start")
+            if start is not None and start.allocated_bytes is not None:
+                leak = monitor.guard("leak detection", self.leaks.observe, report.step, start)
+                if leak and "leak" not in self._warned:
+                    self._warned.add("leak")
+                    rank_zero_warn(leak)
         if self.first is None:
             self.first = report
         if self._should_log(trainer, report):
             self._log(trainer, report)
+        headroom = self._headroom(report)
+        if headroom is not None:
+            monitor.guard("progress bar", _show_headroom, pl_module, headroom)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -147,18 +270,36 @@ class MemoryTenantsCallback(Callback):
             rank_zero_info(format_table(self.latest))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close()
+        monitor = self._monitor
+        if monitor is not None and (isinstance(exception, torch.OutOfMemoryError) or is_oom_error(exception)):
+            monitor.guard("postmortem", self._postmortem, trainer, pl_module, exception)
+        self._close(release=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.forecast.load_state_dict(state_dict.get("forecast", {}))
+        self.leaks.load_state_dict(state_dict.get("leaks", {}))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close()
+        self._close(release=True)
+        # Lightning binds ``log`` and ``log_dict`` of the module onto every callback and leaves them:
+        # drop them, so that a finished callback keeps no module (and no tensor) alive.
+        for name in ("log", "log_dict"):
+            self.__dict__.pop(name, None)
 
     def _phase(self, name: str, batch: Any = None) -> None:
+        """Hand one phase boundary to the core."""
         if self._monitor is not None:
             self._monitor.phase(name, batch)
 
-    def _close(self) -> None:
+    def _close(self, release: bool = False) -> None:
+        """Remove our hooks; ``release`` also drops the module and optimizers we point to."""
         if self._monitor is not None:
             self._monitor.close()
+            if release:
+                self._monitor = None
 
     def _logs_step(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -171,6 +312,114 @@ class MemoryTenantsCallback(Callback):
         monitor = self._monitor
         if monitor is None or "logging" in monitor.disabled:
             return
+        metrics = report.metrics()
+        headroom = self._headroom(report)
+        if headroom is not None:
+            metrics["memtenants/headroom_MiB"] = headroom / MiB
+        largest = self.max_batch_size() if self.forecast.ready else None
+        if largest is not None:
+            metrics["memtenants/max_batch_size"] = float(largest)
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         for logger in trainer.loggers:
-            monitor.guard("logging", logger.log_metrics, report.metrics(), step)
+            monitor.guard("logging", logger.log_metrics, dict(sorted(metrics.items())), step)
+
+    def _headroom(self, report: StepReport) -> int | None:
+        if self._budget is None or report.peak_bytes is None:
+            return None
+        return self._budget - report.peak_bytes
+
+    def _check(self, key: str, projected: int, what: str, fix: str, strict: bool = False) -> None:
+        """Warn once per kind when ``projected`` passes the budget after the margin."""
+        if self._budget is None:
+            return
+        limit = int(self._budget * (1 - self.margin))
+        if projected <= limit or key in self._warned:
+            return
+        self._warned.add(key)
+        message = (
+            f"memtenants: {what} is {projected / MiB:,.2f} MiB, over the budget of {limit / MiB:,.2f} MiB"
+            f" ({self._budget / MiB:,.2f} MiB less a {self.margin:.0%} margin). Fix: {fix}."
+        )
+        if strict:
+            raise MemoryBudgetError(message)
+        rank_zero_warn(message)
+
+    def _current_bytes(self) -> int:
+        monitor = self._monitor
+        assert monitor is not None
+        phase = monitor.last_phase()
+        if phase is None:
+            return 0
+        return phase.allocated_bytes if phase.allocated_bytes is not None else phase.total_bytes
+
+    def _project_first_step(self) -> tuple[int, int, int]:
+        monitor = self._monitor
+        assert monitor is not None
+        phase = monitor.last_phase()
+        state_now = phase.tenants_bytes["optimizer_state"] if phase is not None else 0
+        state, temporaries = first_step_jump_bytes(monitor.module, monitor.optimizers, state_now)
+        return self._current_bytes() + state + temporaries, state, temporaries
+
+    def _project_backward(self) -> int | None:
+        monitor = self._monitor
+        assert monitor is not None
+        elements = self._batch[0]
+        if self.forecast.ready and elements:
+            return self.forecast.predict_for_elements(elements, windows=("after_backward", "batch_end"))
+        phase = monitor.last_phase()
+        if phase is None:
+            return None
+        gradients = sum(p.numel() * p.element_size() for p in monitor.module.parameters() if p.requires_grad)
+        gradients -= phase.tenants_bytes["gradients"]
+        state = temporaries = 0
+        if monitor.steps_done == 0:
+            state, temporaries = first_step_jump_bytes(
+                monitor.module, monitor.optimizers, phase.tenants_bytes["optimizer_state"]
+            )
+        return self._current_bytes() + max(gradients, 0) + state + temporaries
+
+    def _postmortem(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        monitor = self._monitor
+        assert monitor is not None
+        last = monitor.last_phase()
+        order = list(PHASES)
+        failing = order[(order.index(last.name) + 1) % len(order)] if last is not None else "batch_start"
+        tenants_now = monitor.guard("census", take_census, pl_module, monitor.optimizers, monitor.tracker)
+        tenants = tenants_now or (last.tenants_bytes if last is not None else {})
+        reading = monitor.guard("memory source", monitor.source.read) if monitor.measuring else None
+        other_now = None
+        if reading is not None and reading.allocated_bytes is not None and tenants_now is not None:
+            other_now = reading.allocated_bytes - sum(tenants_now.values())
+        fixes = ranked_fixes(
+            tenants,
+            pl_module,
+            monitor.optimizers,
+            world_size=trainer.world_size,
+            temporaries_bytes=optimizer_step_temporaries_bytes(monitor.optimizers) if failing == "batch_end" else 0,
+            batch_temporaries_bytes=other_now or 0 if failing in ("before_backward", "after_backward") else 0,
+        )
+        directory = self.postmortem_dir or getattr(trainer, "log_dir", None) or os.getcwd()
+        json_path, _ = write_postmortem(
+            directory,
+            error=exception,
+            last_phase=last,
+            failing_window=WINDOW_NAMES[failing],
+            tenants_now=tenants_now,
+            other_now=other_now,
+            fixes=fixes,
+            budget_bytes=self._budget,
+            step=monitor.steps_done,
+        )
+        self.postmortem_path = json_path
+        if self.record_history and pl_module.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(Path(directory) / "memtenants_oom_snapshot.pickle"))
+        rank_zero_warn(f"memtenants: out of memory; postmortem written to {json_path}")
+
+
+def _batch_size(batch: Any) -> tuple[int, int, int]:
+    elements, nbytes = batch_elements(batch)
+    return elements, nbytes, extract_batch_size(batch)
+
+
+def _show_headroom(pl_module: pl.LightningModule, headroom: int) -> None:
+    pl_module.log("headroom_MiB", headroom / MiB, prog_bar=True, logger=False, on_step=True, on_epoch=False)

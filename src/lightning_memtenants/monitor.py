@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -13,7 +12,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants.census import TENANTS, ActivationTracker, optimizer_state_tensors, take_census
+from lightning_memtenants.census import TENANTS, ActivationTracker, TenantCounter, optimizer_state_tensors
 from lightning_memtenants.formulas import expected_fixed_cost, explain_fixed_cost
 from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain_peak
 from lightning_memtenants.sources import MemorySource, Reading, source_for
@@ -74,12 +73,22 @@ class TenantMonitor:
         self.disabled: set[str] = set() if track_activations else {"activations"}
         self._warn = warn
         self._micro: list[dict[str, PhaseReport]] = []
-        self._tensors: list[Tensor] | None = None
+        self.counter = TenantCounter(module, self.optimizers)
         self._state_bytes: int | None = None
         self._stepping = False
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
         self._measuring = False
+        self._last: PhaseReport | None = None
         self.steps_done = 0
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the memory source measures the step under way."""
+        return self._measuring
+
+    def last_phase(self) -> PhaseReport | None:
+        """The most recent phase measured, in this step or the one before."""
+        return self._last
 
     def phase(self, name: str, batch: Any = None) -> PhaseReport | None:
         """Take the census at phase ``name``; ``batch_start`` opens a new micro-batch."""
@@ -103,19 +112,20 @@ class TenantMonitor:
             reading = self.guard("memory source", self.source.read) or Reading()
         report = None
         if "census" not in self.disabled:
-            if name == "batch_start" or self._tensors is None:
-                self._tensors = list(chain(self.module.parameters(), self.module.buffers()))
+            if name == "batch_start" and (self.measure or self.steps_done == 0):
+                # the module's parameters are re-read on measured steps; a walk of the module
+                # tree at every step would cost more than the rest of the census
+                self.guard("census", self.counter.refresh)
             # Optimizer state changes only inside optimizer.step(), which runs after before_optimizer_step.
             recount = name in ("batch_start", "batch_end") or self._stepping or self._state_bytes is None
             tracker = None if "activations" in self.disabled else self.tracker
             state = None if recount else self._state_bytes
-            tenants = self.guard(
-                "census", partial(take_census, optimizer_state_bytes=state), self._tensors, self.optimizers, tracker
-            )
+            tenants = self.guard("census", self.counter.count, tracker, state)
             if tenants is not None:
                 self._state_bytes = tenants["optimizer_state"]
                 report = PhaseReport(name, tenants, *_fields(reading))
                 self._micro[-1][name] = report
+                self._last = report
         if name == "batch_start":
             self._stepping = False
         elif name == "before_optimizer_step":
@@ -169,7 +179,6 @@ class TenantMonitor:
         self.tracker.stop()
         self.tracker.clear()
         self._micro = []
-        self._tensors = None
         self._state_bytes = None
         self._measuring = False
         self.guard("memory source", self.source.stop)
@@ -210,7 +219,7 @@ class TenantMonitor:
         return result[0], list(result[1])
 
     def _explain_peak(self, phases: dict[str, PhaseReport], peak_phase: str | None, peak: int | None) -> str:
-        sizes = [p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad]
+        sizes = [t.numel() * t.element_size() for t in self.counter.tensors if t.requires_grad]
         return explain_peak(
             phases,
             peak_phase,

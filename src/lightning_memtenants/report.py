@@ -15,6 +15,14 @@ WINDOWS: dict[str, str] = {
     "before_optimizer_step": "between backward and the optimizer step",
     "batch_end": "the optimizer step",
 }
+# Short names for the same windows, used where a phase is reported as "where it failed".
+WINDOW_NAMES: dict[str, str] = {
+    "batch_start": "between_batches",
+    "before_backward": "forward",
+    "after_backward": "backward",
+    "before_optimizer_step": "gradient_processing",
+    "batch_end": "optimizer_step",
+}
 MiB = 1024**2
 
 

@@ -145,8 +145,8 @@ class TrackerSource(MemorySource):
     name = "tracker"
     every_step = False
 
-    def __init__(self, device_type: str = "cpu") -> None:
-        self.tracker = LiveTensorTracker(device_type)
+    def __init__(self, device_type: str = "cpu", *, scan: bool = True, limit_bytes: int | None = None) -> None:
+        self.tracker = LiveTensorTracker(device_type, scan=scan, limit_bytes=limit_bytes)
 
     @property
     def status(self) -> str:

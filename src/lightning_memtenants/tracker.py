@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterable, Iterator
+from itertools import compress
 from typing import Any
 
 import torch
@@ -31,6 +32,13 @@ def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
         yield tensor.untyped_storage()
 
 
+def _live_tensors() -> list[Tensor]:
+    """Every tensor the garbage collector knows of; the type filter runs in C, not per object."""
+    objects = gc.get_objects()
+    types = {tp for tp in set(map(type, objects)) if issubclass(tp, Tensor)}
+    return list(compress(objects, map(types.__contains__, map(type, objects))))
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: LiveTensorTracker) -> None:
         super().__init__()
@@ -38,18 +46,26 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        before = tracker.current_bytes
         if isinstance(out, Tensor):
-            self.tracker.add(out)
+            tracker.add(out)
         elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
             for tensor in out:
-                self.tracker.add(tensor)
+                tracker.add(tensor)
         else:
-            self.tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+            tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+        if tracker.limit_bytes is not None:
+            tracker.check_limit(before)
         return out
 
 
 class LiveTensorTracker:
     """Follows every live storage on one device type; gives current bytes and window peaks.
+
+    With ``limit_bytes`` it is a simulated small GPU: an operator that pushes live bytes past
+    the limit raises ``torch.OutOfMemoryError("CUDA out of memory. ...")``, which Lightning's
+    ``is_oom_error`` recognises, so OOM handling can be tested on a CPU.
 
     Example::
 
@@ -60,9 +76,11 @@ class LiveTensorTracker:
         tracker.peak_bytes  # the true peak of the step, to the byte
     """
 
-    def __init__(self, device_type: str | None = "cpu", *, scan: bool = True) -> None:
+    def __init__(self, device_type: str | None = "cpu", *, scan: bool = True, limit_bytes: int | None = None) -> None:
         self.device_type = device_type
         self.scan = scan
+        self.limit_bytes = limit_bytes
+        self._armed = True
         self.current_bytes = 0
         self.peak_bytes = 0
         self._window_peak = 0
@@ -78,7 +96,7 @@ class LiveTensorTracker:
         """Begin following allocations; the first start also scans for tensors that already exist."""
         if self.scan and not self._scanned:
             self._scanned = True
-            self.register(o for o in gc.get_objects() if issubclass(type(o), Tensor))
+            self.register(_live_tensors())
         self.register(roots)
         self.peak_bytes = self._window_peak = self.current_bytes
         if self._mode is None:
@@ -135,6 +153,24 @@ class LiveTensorTracker:
         elif known[1] != nbytes:
             self._live[key] = (known[0], nbytes)
             self._grow(nbytes - known[1])
+
+    def check_limit(self, before: int) -> None:
+        """Raise a CUDA-style OOM when an operator took live bytes past ``limit_bytes``.
+
+        After an OOM the limit rests until live bytes are back under it, as the failed step's
+        tensors are released: the error handling that follows an OOM is not itself failed.
+        """
+        limit = self.limit_bytes
+        if limit is None:
+            return
+        if not self._armed:
+            self._armed = self.current_bytes <= limit
+        elif self.current_bytes > max(limit, before):
+            self._armed = False
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {self.current_bytes - before} bytes"
+                f" (simulated device of {limit} bytes, {before} bytes in use)"
+            )
 
     def _grow(self, nbytes: int) -> None:
         self.current_bytes += nbytes
