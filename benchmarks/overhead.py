@@ -49,6 +49,13 @@ class TinyTransformer(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
+class SmallTransformer(TinyTransformer):
+    """A small transformer: 4 layers of width 256 over 128 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(width=256, layers=4, heads=8)
+
+
 def transformer_loader(steps: int, batch_size: int = 16, seq_len: int = 65) -> DataLoader:
     tokens = torch.randint(0, 1000, (steps * batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     return DataLoader(TensorDataset(tokens), batch_size=batch_size)
@@ -147,9 +154,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200, help="steps per fit of the tiny transformer")
+    parser.add_argument("--steps", type=int, default=200, help="steps per fit of the tiny transformer (worst case)")
     parser.add_argument("--seed-steps", type=int, default=60, help="steps per fit of the seed MLP (~0.8 s each)")
-    parser.add_argument("--models", default="seed,transformer")
+    parser.add_argument("--models", default="seed,small,tiny")
+    parser.add_argument("--small-steps", type=int, default=100, help="steps per fit of the small transformer")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
     args = parser.parse_args()
     if args.threads:
@@ -157,7 +165,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads")
     if "seed" in args.models:
         measure("seed MLP, batch 256", SeedMLP, seed_loader(256, args.seed_steps), args, args.seed_steps)
-    if "transformer" in args.models:
+    if "small" in args.models:
+        loader = transformer_loader(args.small_steps, seq_len=129)
+        measure("small transformer, batch 16 x 128 tokens", SmallTransformer, loader, args, args.small_steps)
+    if "tiny" in args.models:
         loader = transformer_loader(args.steps)
         measure("tiny transformer, batch 16 x 64 tokens", TinyTransformer, loader, args, args.steps)
 

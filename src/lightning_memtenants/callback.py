@@ -418,7 +418,8 @@ class MemoryTenantsCallback(Callback):
 
 def _batch_size(batch: Any) -> tuple[int, int, int]:
     elements, nbytes = batch_elements(batch)
-    return elements, nbytes, extract_batch_size(batch)
+    samples = batch.shape[0] if isinstance(batch, Tensor) and batch.dim() else extract_batch_size(batch)
+    return elements, nbytes, samples
 
 
 def _show_headroom(pl_module: pl.LightningModule, headroom: int) -> None:

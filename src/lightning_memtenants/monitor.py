@@ -75,7 +75,7 @@ class TenantMonitor:
         self._micro: list[dict[str, PhaseReport]] = []
         self.counter = TenantCounter(module, self.optimizers)
         self._state_bytes: int | None = None
-        self._stepping = False
+        self._state_signature: tuple[int, ...] = ()
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
         self._measuring = False
         self._last: PhaseReport | None = None
@@ -116,20 +116,20 @@ class TenantMonitor:
                 # the module's parameters are re-read on measured steps; a walk of the module
                 # tree at every step would cost more than the rest of the census
                 self.guard("census", self.counter.refresh)
-            # Optimizer state changes only inside optimizer.step(), which runs after before_optimizer_step.
-            recount = name in ("batch_start", "batch_end") or self._stepping or self._state_bytes is None
+            # Optimizer state appears only inside optimizer.step() and is then updated in place,
+            # so it is recounted when an optimizer's state gains entries, and on measured steps.
+            signature = tuple(len(optimizer.state) for optimizer in self.optimizers)
+            recount = self._state_bytes is None or signature != self._state_signature
+            recount = recount or (self.measure and name in ("batch_start", "batch_end"))
             tracker = None if "activations" in self.disabled else self.tracker
             state = None if recount else self._state_bytes
             tenants = self.guard("census", self.counter.count, tracker, state)
             if tenants is not None:
                 self._state_bytes = tenants["optimizer_state"]
+                self._state_signature = signature
                 report = PhaseReport(name, tenants, *_fields(reading))
                 self._micro[-1][name] = report
                 self._last = report
-        if name == "batch_start":
-            self._stepping = False
-        elif name == "before_optimizer_step":
-            self._stepping = True
         if name in _TRACK_FROM and "activations" not in self.disabled:
             self.guard("activations", self.tracker.start)
         return report
