@@ -64,3 +64,32 @@ def make_trainer(callbacks: list[L.Callback], steps: int = 2, **kwargs: Any) -> 
     }
     options.update(kwargs)
     return L.Trainer(callbacks=callbacks, **options)
+
+
+def fail_in_backward(tensor: torch.Tensor, error: BaseException) -> torch.Tensor:
+    """``tensor`` unchanged, except that backward through it raises ``error``."""
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            raise error
+
+    return Fail.apply(tensor)
+
+
+def adam_that_fails(params: Any, should_fail: Any, error: BaseException) -> torch.optim.Optimizer:
+    """Adam whose step raises ``error`` after Lightning's closure (forward and backward) ran."""
+
+    class Adam(torch.optim.Adam):
+        def step(self, closure: Any = None) -> Any:
+            loss = closure() if closure is not None else None
+            if should_fail():
+                raise error
+            super().step()
+            return loss
+
+    return Adam(params)

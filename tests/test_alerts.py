@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import RecordingLogger, make_trainer
+from conftest import RecordingLogger, adam_that_fails, fail_in_backward, make_trainer
 from seed_mlp import SeedMLP, seed_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -96,32 +96,16 @@ class Wide(L.LightningModule):
         if self.keep_graphs:  # the classic leak: a result kept with a graph that backward never frees
             self.kept.append(self.net[:2](x).sum())
         if self.fail == "backward" and now:
-            error = self.error
-
-            class Fail(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, t):
-                    return t.clone()
-
-                @staticmethod
-                def backward(ctx, grad):
-                    raise error
-
-            loss = Fail.apply(loss)
+            loss = fail_in_backward(loss, self.error)
         return loss
 
     def configure_optimizers(self):
         module = self
-
-        class Adam(torch.optim.Adam):
-            def step(self, closure=None):
-                loss = closure() if closure is not None else None  # forward and backward run first
-                if module.fail == "optimizer_step" and module.global_step == module.fail_step:
-                    raise module.error
-                super().step()
-                return loss
-
-        return Adam(self.parameters())
+        return adam_that_fails(
+            self.parameters(),
+            lambda: module.fail == "optimizer_step" and module.global_step == module.fail_step,
+            module.error,
+        )
 
 
 def wide_loader(batches: int = 4, batch_size: int = 1024) -> DataLoader:

@@ -11,7 +11,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS, RecordingLogger, make_trainer
+from conftest import (
+    SEED_SAVED_PER_SAMPLE,
+    SEED_WEIGHTS,
+    RecordingLogger,
+    adam_that_fails,
+    fail_in_backward,
+    make_trainer,
+)
 from seed_mlp import SeedMLP, seed_loader
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -282,31 +289,12 @@ class Boom(TinyModule):
             raise self.error
         loss = super().training_step(batch, batch_idx)
         if self.where == "backward":
-
-            class Fail(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, t):
-                    return t.clone()
-
-                @staticmethod
-                def backward(ctx, grad):
-                    raise self.error
-
-            loss = Fail.apply(loss)
+            loss = fail_in_backward(loss, self.error)
         return loss
 
     def configure_optimizers(self):
         boom = self
-
-        class Adam(torch.optim.Adam):
-            def step(self, closure=None):
-                loss = closure() if closure is not None else None  # forward and backward first
-                if boom.where == "optimizer_step":
-                    raise boom.error
-                super().step()
-                return loss
-
-        return Adam(self.parameters())
+        return adam_that_fails(self.parameters(), lambda: boom.where == "optimizer_step", boom.error)
 
 
 @pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
