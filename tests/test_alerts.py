@@ -241,3 +241,14 @@ def test_state_dict_keeps_forecast_and_leak_baseline() -> None:
     again.load_state_dict(cb.state_dict())
     assert again.predict_peak_bytes(512) == cb.predict_peak_bytes(512)
     assert again.leaks.state_dict() == cb.leaks.state_dict()
+
+
+def test_optimizer_step_oom_does_not_blame_the_batch(tmp_path) -> None:
+    cb = MemoryTenantsCallback(memory_source=_fresh_tracker(), postmortem_dir=tmp_path, print_summary=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        make_trainer([cb], steps=3).fit(Wide("optimizer_step", 1), wide_loader())
+    record = json.loads((tmp_path / "memtenants_oom.json").read_text())
+    assert record["phase"] == "optimizer_step" and record["other_at_failure_bytes"] is not None
+    actions = [fix["action"] for fix in record["fixes"]]
+    assert not any(action.startswith("halve the batch size") for action in actions)
+    assert actions[0].startswith("SGD without momentum") or actions[0].startswith("shard the optimizer state")

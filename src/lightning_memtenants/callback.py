@@ -396,7 +396,7 @@ class MemoryTenantsCallback(Callback):
             monitor.optimizers,
             world_size=trainer.world_size,
             temporaries_bytes=optimizer_step_temporaries_bytes(monitor.optimizers) if failing == "batch_end" else 0,
-            batch_temporaries_bytes=other_now or 0 if failing in ("before_backward", "after_backward") else 0,
+            batch_temporaries_bytes=(other_now or 0) if failing in ("before_backward", "after_backward") else 0,
         )
         directory = self.postmortem_dir or getattr(trainer, "log_dir", None) or os.getcwd()
         json_path, _ = write_postmortem(
