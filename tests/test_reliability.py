@@ -1,0 +1,225 @@
+"""The callback never costs a training run: injected faults, user exceptions, entry points, resume."""
+
+from __future__ import annotations
+
+import signal
+import traceback
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from conftest import adam_that_fails, fail_in_backward, make_trainer
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_memtenants.monitor as monitor_module
+from lightning_memtenants import PHASES, MemoryTenantsCallback, TenantMonitor
+from lightning_memtenants.census import TenantCounter
+from lightning_memtenants.sources import TrackerSource
+
+
+def nothing_registered() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None and _get_current_dispatch_mode() is None
+
+
+class Net(L.LightningModule):
+    def __init__(self, fail: str | None = None, error: BaseException | None = None, manual: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))  # 129 parameters
+        self.fail, self.error = fail, error
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if self.fail == "training_step":
+            raise self.error
+        loss = self.net(x).pow(2).mean()
+        if self.fail == "backward":
+            loss = fail_in_backward(loss, self.error)
+        self.losses.append(loss.item())
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            return None
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
+
+    def test_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        module = self
+        return adam_that_fails(self.parameters(), lambda: module.fail == "optimizer_step", self.error)
+
+
+def loader(n: int = 16) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 6, generator=torch.Generator().manual_seed(0))), batch_size=2)
+
+
+@pytest.mark.parametrize("part", ["census", "memory source"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_fault_at_each_hook_disables_one_part_and_training_completes(monkeypatch, part, phase) -> None:
+    current = {"phase": None}
+    original_phase = TenantMonitor.phase
+
+    def tracking_phase(self, name, batch=None):
+        current["phase"] = name
+        return original_phase(self, name, batch)
+
+    def faulty(original):
+        def run(*args, **kwargs):
+            if current["phase"] == phase:
+                raise RuntimeError(f"injected fault at {phase}")
+            return original(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(monitor_module.TenantMonitor, "phase", tracking_phase)
+    if part == "census":
+        monkeypatch.setattr(TenantCounter, "count", faulty(TenantCounter.count))
+    else:
+        monkeypatch.setattr(TrackerSource, "read", faulty(TrackerSource.read))
+    cb = MemoryTenantsCallback(print_summary=False)
+    module = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], steps=4).fit(module, loader())
+    ours = [str(w.message) for w in caught if "memtenants" in str(w.message)]
+    assert len(module.losses) == 4  # training completed
+    assert ours == [
+        f"memtenants: measuring {part} failed (RuntimeError: injected fault at {phase}); {part} is disabled from now on"
+    ]
+    assert nothing_registered()
+    if part == "memory source":  # the census goes on, exact, without the source
+        assert cb.latest.step == 3 and cb.latest.peak_bytes is None
+        assert cb.latest.tenants_bytes["weights"] == 129 * 4
+        assert cb.latest.tenants_bytes["optimizer_state"] == 129 * 8 + 4 * 4
+
+
+@pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
+@pytest.mark.parametrize(
+    "make_error",
+    [lambda: ValueError("user error"), lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")],
+)
+def test_user_exceptions_keep_their_identity_and_traceback(tmp_path, where, make_error) -> None:
+    error = make_error()
+    module = Net(where, error)
+    cb = MemoryTenantsCallback(postmortem_dir=tmp_path, print_summary=False)
+    with pytest.raises(type(error)) as caught:
+        make_trainer([cb], steps=2).fit(module, loader())
+    assert caught.value is error
+    frames = [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert {"training_step": "training_step", "backward": "backward", "optimizer_step": "step"}[where] in frames
+    assert nothing_registered()
+    assert (tmp_path / "memtenants_oom.json").exists() == isinstance(error, torch.OutOfMemoryError)
+
+
+@pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
+def test_keyboard_interrupt(where) -> None:
+    # Lightning turns Ctrl+C into a graceful shutdown and sys.exit(1); our hooks must be gone by then.
+    module = Net(where, KeyboardInterrupt())
+    try:
+        with pytest.raises(SystemExit) as caught:
+            make_trainer([MemoryTenantsCallback(print_summary=False)], steps=2).fit(module, loader())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert caught.value.code == 1
+    assert nothing_registered()
+
+
+def test_keyboard_interrupt_passes_the_plain_core_unchanged() -> None:
+    model = nn.Linear(3, 1)
+    monitor = TenantMonitor(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    monitor.phase("batch_start")
+    with pytest.raises(KeyboardInterrupt):
+        monitor.guard("census", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monitor.close()
+    assert nothing_registered()
+
+
+def test_every_entry_point_and_reuse() -> None:
+    cb = MemoryTenantsCallback(print_summary=False)
+    trainer = make_trainer([cb], steps=3, limit_val_batches=2, val_check_interval=2)
+    trainer.fit(Net(), loader(), loader())
+    assert cb.latest.step == 2
+    trainer.validate(Net(), loader())
+    trainer.test(Net(), loader())
+    predictions = trainer.predict(Net(), loader())
+    assert len(predictions) == 8
+    make_trainer([cb], steps=3, fast_dev_run=True).fit(Net(), loader(), loader())
+    assert cb.latest.step == 0  # fast_dev_run: one step, reported afresh
+    make_trainer([cb], steps=2).fit(Net(manual=True), loader())
+    assert cb.latest.step == 1
+    assert nothing_registered()
+
+
+def test_resume_keeps_the_forecast_and_raises_no_false_leak_warning(tmp_path) -> None:
+    cb = MemoryTenantsCallback(print_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        callbacks=[cb],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Net(), loader())
+    checkpoint = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    resumed = MemoryTenantsCallback(print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(
+            accelerator="cpu",
+            max_steps=20,
+            callbacks=[resumed],
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            log_every_n_steps=1,
+        ).fit(Net(), loader(), ckpt_path=checkpoint)
+    assert not [w for w in caught if "grows by" in str(w.message)]
+    assert resumed.leaks.state_dict()["seen"] == cb.leaks.state_dict()["seen"] + 12
+    assert resumed.forecast.sizes_seen >= 1
+
+
+CONFIGS = [
+    (precision, accumulate, manual, optimizer)
+    for precision in ("32-true", "bf16-mixed")
+    for accumulate in (1, 2)
+    for manual in (False, True)
+    for optimizer in ("adam", "sgd")
+    if not (manual and accumulate > 1)  # manual optimization does not accumulate through the Trainer
+]
+
+
+@pytest.mark.parametrize(("precision", "accumulate", "manual", "optimizer"), CONFIGS)
+def test_losses_are_bitwise_identical_across_configurations(precision, accumulate, manual, optimizer) -> None:
+    class Configured(Net):
+        def configure_optimizers(self):
+            if optimizer == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return torch.optim.Adam(self.parameters())
+
+    def losses(callbacks: list[L.Callback]) -> list[float]:
+        L.seed_everything(0, verbose=False)
+        module = Configured(manual=manual)
+        make_trainer(callbacks, steps=3, precision=precision, accumulate_grad_batches=accumulate).fit(module, loader())
+        return module.losses
+
+    with_callback = losses([MemoryTenantsCallback(track_every_step=True, print_summary=False)])
+    assert len(with_callback) >= 3
+    assert with_callback == losses([])
