@@ -21,6 +21,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -92,10 +94,59 @@ for _hook in (
 ):
     setattr(TimedCallback, _hook, _timed(_hook))
 
+
+class NullLogger(Logger):
+    """Takes every metric and keeps none: the same cheap logger for every arm."""
+
+    name = "null"
+    version = 0
+
+    def log_hyperparams(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+
+class MemTrackerArm(L.Callback):
+    """PyTorch's MemTracker inside Lightning: enter at train start, reset per batch, exit at the end."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.tracker = MemTracker()
+        self.tracker.track_external(pl_module, *trainer.optimizers)
+        self.tracker.__enter__()
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.tracker.reset_mod_stats()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.tracker.__exit__(None, None, None)
+
+
+class ProfilerArm(L.Callback):
+    """torch.profiler with profile_memory, record_shapes and with_stack: what its memory timeline needs."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+        )
+        self.profiler.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.profiler.__exit__(None, None, None)
+
+
 ARMS: dict[str, Callable[[], list[L.Callback]]] = {
     "none": lambda: [],
     "default": lambda: [TimedCallback(print_summary=False)],
     "tracker every step": lambda: [MemoryTenantsCallback(track_every_step=True, print_summary=False)],
+}
+COMPARED: dict[str, Callable[[], list[L.Callback]]] = {
+    "PyTorch MemTracker": lambda: [MemTrackerArm()],
+    "profiler, profile_memory": lambda: [ProfilerArm()],
+    "DeviceStatsMonitor": lambda: [DeviceStatsMonitor()],
 }
 
 
@@ -106,7 +157,7 @@ def fit_seconds(make_module: Callable[[], L.LightningModule], loader: DataLoader
         accelerator="cpu",
         max_steps=steps,
         callbacks=ARMS[arm](),
-        logger=False,
+        logger=NullLogger(),
         log_every_n_steps=50,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -159,7 +210,10 @@ def main() -> None:
     parser.add_argument("--models", default="seed,small,tiny")
     parser.add_argument("--small-steps", type=int, default=100, help="steps per fit of the small transformer")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's default")
+    parser.add_argument("--compare", action="store_true", help="add MemTracker, the profiler and DeviceStatsMonitor")
     args = parser.parse_args()
+    if args.compare:
+        ARMS.update(COMPARED)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads")

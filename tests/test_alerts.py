@@ -252,3 +252,12 @@ def test_optimizer_step_oom_does_not_blame_the_batch(tmp_path) -> None:
     actions = [fix["action"] for fix in record["fixes"]]
     assert not any(action.startswith("halve the batch size") for action in actions)
     assert actions[0].startswith("SGD without momentum") or actions[0].startswith("shard the optimizer state")
+
+
+@pytest.mark.cuda
+def test_record_history_dumps_a_snapshot_for_memory_viz(tmp_path) -> None:
+    cb = MemoryTenantsCallback(record_history=True, postmortem_dir=tmp_path, print_summary=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        make_trainer([cb], steps=2, accelerator="gpu", devices=1).fit(Wide("forward", 1), wide_loader())
+    assert (tmp_path / "memtenants_oom_snapshot.pickle").stat().st_size > 0
+    assert json.loads((tmp_path / "memtenants_oom.json").read_text())["phase"] == "forward"

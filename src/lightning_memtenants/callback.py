@@ -121,6 +121,7 @@ class MemoryTenantsCallback(Callback):
         self._budget: int | None = None
         self._warned: set[str] = set()
         self._batch: tuple[int, int, int] = (0, 0, 0)
+        self._recording = False
         self.track_activations = track_activations
         self.memory_source = memory_source
         self.track_every_step = track_every_step
@@ -147,7 +148,7 @@ class MemoryTenantsCallback(Callback):
         self._warned = set()
         self._budget = self.budget_bytes or device_budget_bytes(pl_module.device)
         if self.record_history and pl_module.device.type == "cuda":
-            self._monitor.guard("allocator history", torch.cuda.memory._record_memory_history)
+            self._recording = bool(self._monitor.guard("allocator history", _start_history))
 
     @property
     def budget(self) -> int | None:
@@ -299,6 +300,9 @@ class MemoryTenantsCallback(Callback):
         if self._monitor is not None:
             self._monitor.close()
             if release:
+                if self._recording:
+                    self._recording = False
+                    self._monitor.guard("allocator history", torch.cuda.memory._record_memory_history, None)
                 self._monitor = None
 
     def _logs_step(self, trainer: pl.Trainer, step: int) -> bool:
@@ -414,6 +418,11 @@ class MemoryTenantsCallback(Callback):
         if self.record_history and pl_module.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(Path(directory) / "memtenants_oom_snapshot.pickle"))
         rank_zero_warn(f"memtenants: out of memory; postmortem written to {json_path}")
+
+
+def _start_history() -> bool:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return True
 
 
 def _batch_size(batch: Any) -> tuple[int, int, int]:
