@@ -165,32 +165,14 @@ def test_every_entry_point_and_reuse() -> None:
 
 def test_resume_keeps_the_forecast_and_raises_no_false_leak_warning(tmp_path) -> None:
     cb = MemoryTenantsCallback(print_summary=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        callbacks=[cb],
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
+    trainer = make_trainer([cb], steps=8, default_root_dir=tmp_path)
     trainer.fit(Net(), loader())
     checkpoint = tmp_path / "resume.ckpt"
     trainer.save_checkpoint(checkpoint)
     resumed = MemoryTenantsCallback(print_summary=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        L.Trainer(
-            accelerator="cpu",
-            max_steps=20,
-            callbacks=[resumed],
-            default_root_dir=tmp_path,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            log_every_n_steps=1,
-        ).fit(Net(), loader(), ckpt_path=checkpoint)
+        make_trainer([resumed], steps=20, default_root_dir=tmp_path).fit(Net(), loader(), ckpt_path=checkpoint)
     assert not [w for w in caught if "grows by" in str(w.message)]
     assert resumed.leaks.state_dict()["seen"] == cb.leaks.state_dict()["seen"] + 12
     assert resumed.forecast.sizes_seen >= 1
