@@ -373,7 +373,7 @@ class MemoryTenantsCallback(Callback):
         phase = monitor.last_phase()
         if phase is None:
             return None
-        gradients = sum(p.numel() * p.element_size() for p in monitor.module.parameters() if p.requires_grad)
+        gradients = sum(t.numel() * t.element_size() for t in monitor.counter.tensors if t.requires_grad)
         gradients -= phase.tenants_bytes["gradients"]
         state = temporaries = 0
         if monitor.steps_done == 0:

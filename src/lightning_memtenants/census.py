@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -50,6 +51,13 @@ def _tensors_in(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
+
+
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses)."""
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    return found
 
 
 def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:

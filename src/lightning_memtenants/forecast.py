@@ -16,9 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
-
+from lightning_memtenants.census import batch_tensors
 from lightning_memtenants.report import StepReport
 
 _UNITS = {
@@ -54,9 +52,8 @@ def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
 
 def batch_elements(batch: Any) -> tuple[int, int]:
     """Elements and bytes of the tensors in ``batch``: the forecast's measure of its size."""
-    sizes: list[tuple[int, int]] = []
-    apply_to_collection(batch, Tensor, lambda t: sizes.append((t.numel(), t.numel() * t.element_size())))
-    return sum(n for n, _ in sizes), sum(b for _, b in sizes)
+    tensors = batch_tensors(batch)
+    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _slope_hints(report: StepReport, batch_bytes: int) -> dict[str, float]:

@@ -8,11 +8,16 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants.census import TENANTS, ActivationTracker, TenantCounter, optimizer_state_tensors
+from lightning_memtenants.census import (
+    TENANTS,
+    ActivationTracker,
+    TenantCounter,
+    batch_tensors,
+    optimizer_state_tensors,
+)
 from lightning_memtenants.formulas import expected_fixed_cost, explain_fixed_cost
 from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain_peak
 from lightning_memtenants.sources import MemorySource, Reading, source_for
@@ -100,7 +105,7 @@ class TenantMonitor:
                 self._begin_step(batch)
             self._micro.append({})
             if batch is not None:
-                self.guard("activations", self.tracker.ignore, _batch_tensors(batch))
+                self.guard("activations", self.tracker.ignore, batch_tensors(batch))
         elif not self._micro:
             self._micro.append({})
         if name in _TRACK_UNTIL:
@@ -206,7 +211,7 @@ class TenantMonitor:
         yield from (p.grad for p in params if p.grad is not None)
         yield from optimizer_state_tensors(self.optimizers)
         if batch is not None:
-            yield from _batch_tensors(batch)
+            yield from batch_tensors(batch)
 
     def _check_fixed(self, measured: dict[str, int]) -> tuple[int, list[str]]:
         """The formula and its sentences; recomputed on measured steps or when the census changes."""
@@ -273,9 +278,3 @@ def _step_peak(micro: list[dict[str, PhaseReport]]) -> tuple[int | None, str | N
             if value is not None and (best[0] is None or value > best[0]):
                 best = (value, name)
     return best
-
-
-def _batch_tensors(batch: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
-    return found
