@@ -1,0 +1,175 @@
+"""``memtenants``: predict a training step's memory from the command line, before renting a GPU.
+
+Example::
+
+    memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --seq-len 512 --precision bf16-mixed --budget 24GiB
+
+The target names a file or module and a class (or a function building the model). The model
+must offer ``example_batch(batch_size, seq_len=None)``, which builds a batch for its
+``training_step``; it is built under fake tensors, so its size costs nothing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from lightning_memtenants.forecast import parse_bytes
+from lightning_memtenants.dryrun import PRECISIONS, TARGETS, dry_run, largest_batch_size
+from lightning_memtenants.report import MiB, format_table
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(Exception):
+    """A bad argument: reported in one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memtenants", description="What will use your training memory, predicted on a CPU.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = commands.add_parser("predict", help="predict one training step's tenants and peak under fake tensors")
+    run.add_argument("target", help="FILE.py:NAME or package.module:NAME, a LightningModule class or factory")
+    run.add_argument("--batch-size", type=_positive, default=1, help="samples per batch (default 1)")
+    run.add_argument("--seq-len", type=_positive, default=None, help="sequence length, passed to example_batch")
+    run.add_argument("--precision", choices=sorted(PRECISIONS), default="32-true")
+    run.add_argument("--budget", default=None, help="device memory to plan for, e.g. 24GiB; gives the largest batch")
+    run.add_argument("--steps", type=_positive, default=1, help="steps to run; the report is of the last (default 1)")
+    run.add_argument("--init", default="{}", help="constructor keyword arguments as JSON, e.g. '{\"n_layer\": 4}'")
+    run.add_argument("--target", dest="device", choices=TARGETS, default="cpu", help="device to predict for")
+    run.add_argument("--gpu", default=None, help="CUDA architecture for --target cuda, e.g. A6000 or 8.6")
+    run.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON ('-' for stdout)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _predict(args)
+    except UsageError as error:
+        print(f"memtenants: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _predict(args: argparse.Namespace) -> int:
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_bytes(args.budget, "--budget")
+        except ValueError as error:
+            raise UsageError(error) from None
+    try:
+        init = json.loads(args.init)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
+    if not isinstance(init, dict):
+        raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
+    factory = load_target(args.target)
+
+    def build() -> Any:
+        return factory(**init)
+
+    def make_batch(size: int) -> Any:
+        def batch(module: Any) -> Any:
+            example = getattr(module, "example_batch", None)
+            if not callable(example):
+                raise UsageError(
+                    f"{type(module).__name__} has no example_batch(batch_size, seq_len=None) method to build a batch"
+                )
+            if args.seq_len is None:
+                return example(size)
+            return example(size, args.seq_len)
+
+        return batch
+
+    options = {"precision": args.precision, "steps": args.steps, "target": args.device, "gpu": args.gpu}
+    prediction = dry_run(build, make_batch(args.batch_size), **options)
+    report = prediction.report
+    print(format_table(report))
+    for note in prediction.notes:
+        print(f"- {note}")
+    largest = None
+    if budget is not None:
+        largest = largest_batch_size(build, make_batch, budget, start=args.batch_size, **options)
+        print(f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}")
+    if args.json is not None:
+        document = {
+            "target": args.target,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "precision": args.precision,
+            "device": args.device,
+            "gpu": args.gpu,
+            "budget_bytes": budget,
+            "largest_batch_size": largest,
+            "notes": prediction.notes,
+            "report": dataclasses.asdict(report),
+        }
+        text = json.dumps(document, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def load_target(target: str) -> Any:
+    """Import ``FILE.py:NAME`` or ``module:NAME``; an import that fails shows the user's own traceback."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise UsageError(f"target must look like FILE.py:NAME or package.module:NAME, got {target!r}")
+    try:
+        if path.endswith(".py"):
+            file = Path(path)
+            if not file.is_file():
+                raise UsageError(f"no such file: {path}")
+            sys.path.insert(0, str(file.resolve().parent))
+            spec = importlib.util.spec_from_file_location(file.stem, file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[file.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(path)
+    except UsageError:
+        raise
+    except Exception as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if not _ours(f.filename)]
+        text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error))
+        raise UsageError(f"cannot import {path}:\n{text.rstrip()}") from None
+    found = getattr(module, name, None)
+    if found is None or not callable(found):
+        names = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+        raise UsageError(f"{path} has no class or function {name!r}; it defines {', '.join(names) or 'no classes'}")
+    return found
+
+
+def _ours(filename: str) -> bool:
+    return filename.startswith(str(Path(__file__).parent)) or "importlib" in filename or filename.startswith("<frozen")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

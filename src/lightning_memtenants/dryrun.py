@@ -1,0 +1,441 @@
+"""Predict a training step's memory before running it: the user's own step, under fake tensors.
+
+Fake tensors carry shapes, dtypes and storages but no data, so a whole step (forward,
+backward and the optimizer) runs in a fraction of a real step's time and allocates nothing.
+The same :class:`TenantMonitor` as in training measures it, with the live-tensor tracker as
+its memory source, so the prediction is a :class:`StepReport` read exactly as ``cb.latest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_memtenants.census import batch_tensors
+from lightning_memtenants.forecast import PeakForecast, batch_elements
+from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.report import StepReport
+from lightning_memtenants.sources import TrackerSource
+
+PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    # precision: (parameter dtype, autocast dtype)
+    "32-true": (None, None),
+    "64-true": (torch.float64, None),
+    "16-true": (torch.float16, None),
+    "bf16-true": (torch.bfloat16, None),
+    "16-mixed": (None, torch.float16),
+    "bf16-mixed": (None, torch.bfloat16),
+}
+TARGETS = ("cpu", "cuda")
+
+ModelArg = nn.Module | Callable[[], nn.Module]
+BatchArg = Any
+
+
+@dataclass
+class Prediction:
+    """Everything a dry run produced: one report per step, and what was assumed on the way."""
+
+    reports: list[StepReport]
+    batch_elements: int
+    batch_bytes: int
+    batch_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def report(self) -> StepReport:
+        """The last step's report (the first step, with ``steps=1``)."""
+        return self.reports[-1]
+
+
+def predict(
+    model: ModelArg,
+    batch: BatchArg,
+    *,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    optimizer: Callable[..., Optimizer] | None = None,
+    precision: str = "32-true",
+    steps: int = 1,
+    target: str = "cpu",
+    gpu: str | None = None,
+) -> StepReport:
+    """The memory report of a training step, predicted under fake tensors with no real memory.
+
+    ``model`` is a LightningModule (its own ``training_step`` and ``configure_optimizers``
+    run), a plain ``nn.Module`` with ``loss_fn(model, batch)`` and ``optimizer(params)``
+    (default ``torch.optim.Adam``), or a zero-argument callable that builds either; a callable
+    is built under fake tensors, so a model too big for this machine costs nothing.
+
+    ``batch`` is real tensors, meta tensors or ``torch.Size`` shapes standing for tensors, or a
+    callable that builds the batch (given the fake model if it takes one argument). Nothing of
+    the caller's model is changed: its parameters are copied as fake tensors.
+
+    The report is the last of ``steps`` steps: ``steps=1`` shows the first optimizer step,
+    where the optimizer state is born; ``steps=2`` a steady-state step.
+
+    Example::
+
+        report = predict(SeedMLP(), torch.Size([2048, 1024]))
+        report.peak_bytes, report.tenants_bytes["activations"]
+    """
+    return dry_run(
+        model,
+        batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        precision=precision,
+        steps=steps,
+        target=target,
+        gpu=gpu,
+    ).report
+
+
+def dry_run(
+    model: ModelArg,
+    batch: BatchArg,
+    *,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    optimizer: Callable[..., Optimizer] | None = None,
+    precision: str = "32-true",
+    steps: int = 1,
+    target: str = "cpu",
+    gpu: str | None = None,
+) -> Prediction:
+    """Like :func:`predict`, but keeps every step's report and the assumptions made."""
+    _validate(model, batch, loss_fn, optimizer, precision, steps, target, gpu)
+    notes: list[str] = []
+    if precision == "16-mixed" and target == "cpu":
+        precision = "bf16-mixed"
+        notes.append("16-mixed on the CPU runs as bf16-mixed, as Lightning does there")
+    param_dtype, autocast_dtype = PRECISIONS[precision]
+    mode = _fake_mode()
+    with mode, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message=".*not attached to a .Trainer.*")
+        fake = _fake_module(model, mode, param_dtype)
+        fake.train()
+        lightning = loss_fn is None and _is_lightning(fake)
+        if loss_fn is None and not lightning:
+            raise ValueError("loss_fn is required for a plain nn.Module: loss_fn(model, batch) -> loss tensor")
+        fake_batch = _fake_batch(batch, fake, param_dtype)
+        elements, batch_bytes = batch_elements(fake_batch)
+        optimizers = _optimizers(fake, optimizer, lightning)
+        monitor = TenantMonitor(fake, optimizers, source=TrackerSource("cpu", scan=False), warn=_raise)
+        forward = _forward_context(param_dtype, autocast_dtype)
+        reports = []
+        for index in range(steps):
+            reports.append(_step(fake, fake_batch, index, optimizers, monitor, forward, loss_fn, lightning))
+        monitor.close()
+    return Prediction(reports, elements, batch_bytes, _leading_size(fake_batch), notes)
+
+
+def sweep(
+    model: ModelArg,
+    make_batch: Callable[[int], Any],
+    batch_sizes: Sequence[int] = (1, 2),
+    **kwargs: Any,
+) -> tuple[PeakForecast, list[Prediction]]:
+    """Predict at several batch sizes and fit the peak forecast: the largest batch for a budget, with no GPU.
+
+    Example::
+
+        forecast, _ = sweep(SeedMLP(), lambda b: torch.Size([b, 1024]), (256, 512))
+        forecast.max_batch_size(24 * 2**30)
+    """
+    if len(batch_sizes) < 1 or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
+    forecast = PeakForecast()
+    predictions = []
+    for size in batch_sizes:
+        prediction = dry_run(model, make_batch(size), **kwargs)
+        forecast.observe(prediction.report, prediction.batch_elements, prediction.batch_bytes, size)
+        predictions.append(prediction)
+    return forecast, predictions
+
+
+def largest_batch_size(
+    model: ModelArg,
+    make_batch: Callable[[int], Any],
+    budget_bytes: int,
+    *,
+    start: int = 1,
+    limit: int = 2**24,
+    **kwargs: Any,
+) -> int:
+    """The largest batch whose predicted peak fits ``budget_bytes``: exact, where a forecast line is not.
+
+    A step's peak is a maximum of linear pieces in the batch size, and the piece that leads at
+    small batches (the optimizer step, say) hides a steeper one that leads later (backward).
+    So the search predicts at the sizes it guesses, secant first and halving when that stalls,
+    until the answer fits and one more sample does not. Each guess is one dry run.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+        raise ValueError(f"start must be a positive integer, got {start!r}")
+    seen: dict[int, int] = {}
+
+    def peak(size: int) -> int:
+        if size not in seen:
+            seen[size] = dry_run(model, make_batch(size), **kwargs).report.peak_bytes or 0
+        return seen[size]
+
+    if peak(start) > budget_bytes:
+        if start == 1:
+            return 0
+        return largest_batch_size(model, make_batch, budget_bytes, start=1, limit=start, **kwargs)
+    lo, hi = start, None
+    size = 2 * start
+    while hi is None:  # grow by secant steps from the last two sizes until one does not fit
+        if size >= limit:
+            return limit if peak(limit) <= budget_bytes else _bisect(peak, budget_bytes, lo, limit)
+        if peak(size) <= budget_bytes:
+            lo, size = size, max(_secant(seen, lo, budget_bytes), 2 * size)
+        else:
+            hi = size
+    return _bisect(peak, budget_bytes, lo, hi)
+
+
+def _secant(seen: dict[int, int], at: int, budget: int) -> int:
+    below = [s for s in seen if s < at]
+    if not below:
+        return 2 * at
+    other = max(below)
+    slope = (seen[at] - seen[other]) / (at - other)
+    return int(at + (budget - seen[at]) / slope) + 1 if slope > 0 else 2 * at
+
+
+def _bisect(peak: Callable[[int], int], budget: int, lo: int, hi: int) -> int:
+    """``lo`` fits and ``hi`` does not; interpolate, then halve, until they are neighbours."""
+    while hi - lo > 1:
+        guess = lo + (budget - peak(lo)) * (hi - lo) // max(peak(hi) - peak(lo), 1)
+        guess = min(max(guess, lo + 1), hi - 1)
+        if peak(guess) <= budget:
+            lo = guess
+            if guess + 1 < hi and peak(guess + 1) > budget:
+                return guess
+        else:
+            hi = guess
+            if guess - 1 > lo and peak(guess - 1) <= budget:
+                return guess - 1
+    return lo
+
+
+def _validate(
+    model: Any,
+    batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    precision: str,
+    steps: int,
+    target: str,
+    gpu: str | None,
+) -> None:
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise ValueError(f"model must be an nn.Module or a callable that builds one, got {type(model).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
+    if gpu is not None and target != "cuda":
+        raise ValueError(f"gpu names a CUDA architecture and needs target='cuda', got target={target!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(f"optimizer must be a callable that takes the parameters, got {optimizer!r}")
+    if batch is None:
+        raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A shape environment lets ``loss.item()`` in user code return a symbol instead of failing.
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+
+def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied."""
+    if not isinstance(model, nn.Module):
+        built = model()
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"model() must build an nn.Module, got {type(built).__name__}")
+    else:
+        memo: dict[int, Any] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            if id(tensor) not in memo:
+                fake = mode.from_tensor(tensor.detach())
+                if isinstance(tensor, nn.Parameter):
+                    fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                memo[id(tensor)] = fake
+        for module in model.modules():
+            for name in ("_trainer", "_fabric"):
+                attached = module.__dict__.get(name)
+                if attached is not None:
+                    memo[id(attached)] = None
+        built = copy.deepcopy(model, memo)
+    if dtype is not None:
+        _cast(built, dtype)
+    return built
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
+    done: dict[int, Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                if id(tensor) not in done:
+                    cast = tensor.detach().to(dtype)
+                    if isinstance(tensor, nn.Parameter):
+                        cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
+                    done[id(tensor)] = cast
+                table[name] = done[id(tensor)]
+
+
+def _is_lightning(module: nn.Module) -> bool:
+    return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
+
+
+def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
+    if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
+        takes_module = len(inspect.signature(batch).parameters) >= 1
+        batch = batch(module) if takes_module else batch()
+
+    def shape(size: torch.Size) -> Tensor:
+        return torch.empty(size, dtype=dtype or torch.float32)
+
+    def tensor(t: Tensor) -> Tensor:
+        fake = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t.detach().clone()
+        if dtype is not None and fake.is_floating_point():
+            fake = fake.to(dtype)  # Lightning's true-precision plugins cast floating inputs too
+        return fake
+
+    batch = apply_to_collection(batch, torch.Size, shape)
+    batch = apply_to_collection(batch, Tensor, tensor)
+    if not batch_tensors(batch):
+        raise ValueError("batch must contain at least one tensor or shape")
+    return batch
+
+
+def _leading_size(batch: Any) -> int:
+    tensors = batch_tensors(batch)
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+
+
+def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lightning: bool) -> list[Optimizer]:
+    if factory is not None or not lightning:
+        made = (factory or torch.optim.Adam)([p for p in module.parameters() if p.requires_grad])
+        return [made]
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())  # type: ignore[operator]
+    return list(optimizers)
+
+
+def _forward_context(param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None) -> Callable[[], Any]:
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        if autocast_dtype is not None:
+            with torch.autocast("cpu", dtype=autocast_dtype):
+                yield
+        elif param_dtype is not None:
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(param_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
+        else:
+            yield
+
+    return context
+
+
+def _step(
+    module: nn.Module,
+    batch: Any,
+    index: int,
+    optimizers: list[Optimizer],
+    monitor: TenantMonitor,
+    forward: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None,
+    lightning: bool,
+) -> StepReport:
+    """One step in Lightning's order: grads are zeroed after the forward, as its closure does."""
+    manual = lightning and not getattr(module, "automatic_optimization", True)
+
+    def before_step(*_: Any) -> None:
+        monitor.phase("before_optimizer_step")
+
+    hooks = [opt.register_step_pre_hook(before_step) for opt in optimizers]
+    if not lightning:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+    restore = _attach_manual(module, optimizers, monitor) if manual else None
+    try:
+        monitor.phase("batch_start", batch=batch)
+        with forward():
+            out = module.training_step(batch, index) if lightning else loss_fn(module, batch)  # type: ignore[misc,operator]
+        if not manual:
+            loss = out["loss"] if isinstance(out, dict) else out
+            if lightning:
+                kept = loss.detach().clone()  # noqa: F841  Lightning's closure keeps a detached copy of the loss
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+            monitor.phase("before_backward")
+            loss.backward()
+            monitor.phase("after_backward")
+            for opt in optimizers:
+                opt.step()
+            del out, loss
+        monitor.phase("batch_end")
+        report = monitor.end_step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if restore is not None:
+            restore()
+    assert report is not None
+    return report
+
+
+def _attach_manual(module: nn.Module, optimizers: list[Optimizer], monitor: TenantMonitor) -> Callable[[], None]:
+    """Give the fake copy what manual optimization asks of a Trainer: its optimizers and a backward."""
+
+    def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        monitor.phase("before_backward")
+        loss.backward(*args, **kwargs)
+        monitor.phase("after_backward")
+
+    def get_optimizers(use_pl_optimizer: bool = True) -> Any:
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+    module.manual_backward = manual_backward  # type: ignore[method-assign]
+    module.optimizers = get_optimizers  # type: ignore[method-assign]
+
+    def restore() -> None:
+        del module.manual_backward
+        del module.optimizers
+
+    return restore
+
+
+def _raise(message: str) -> None:
+    """In a dry run a failed measurement is the result, so it is raised, not warned."""
+    raise RuntimeError(message)

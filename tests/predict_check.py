@@ -1,0 +1,60 @@
+"""Run in a fresh process: real Trainer steps on the CPU, reported as ``predict`` reports them.
+
+Prints one JSON line per run. ``host_bytes`` is what was alive before training began and is
+not part of the step: the data set the DataLoader holds and Lightning's module constants.
+A prediction holds none of it, so the test subtracts it from the real run's allocated bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from conftest import make_trainer
+from gpt import TinyGPT
+from seed_mlp import SeedMLP, seed_loader
+
+from lightning_memtenants import MemoryTenantsCallback
+from lightning_memtenants.census import storage_key, unique_storage_bytes
+from lightning_memtenants.tracker import _live_tensors
+
+
+class HostBytes(L.Callback):
+    """Bytes of every CPU tensor alive at the start of training, less the model's own."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seen = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
+        self.bytes = unique_storage_bytes((t for t in _live_tensors() if t.device.type == "cpu"), seen)
+
+
+def run(kind: str, batch_size: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    if kind == "seed":
+        module: L.LightningModule = SeedMLP()
+        loader = seed_loader(batch_size, 1)
+    else:
+        module = TinyGPT(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=64)
+        idx, targets = module.example_batch(batch_size, 32)
+        loader = DataLoader(TensorDataset(idx, targets), batch_size=batch_size)
+    host = HostBytes()
+    memtenants = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
+    make_trainer([host, memtenants], steps=1, logger=False).fit(module, loader)
+    report = memtenants.latest
+    assert report is not None
+    return {"kind": kind, "batch_size": batch_size, "host_bytes": host.bytes, "report": dataclasses.asdict(report)}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for spec in sys.argv[1:]:
+        kind, size = spec.split(":")
+        print(json.dumps(run(kind, int(size))), flush=True)
