@@ -19,8 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_memtenants.census import TENANTS
-from lightning_memtenants.formulas import expected_fixed_cost
-from lightning_memtenants.monitor import describe_optimizers
+from lightning_memtenants.formulas import expected_fixed_cost, step_temporaries_bytes
 from lightning_memtenants.report import WINDOW_NAMES, WINDOWS, MiB, PhaseReport
 
 _ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
@@ -44,19 +43,9 @@ def optimizer_step_temporaries_bytes(optimizers: Sequence[Optimizer]) -> int:
 
     The single-tensor loop of Adam-like optimizers makes two temporaries the size of the
     parameter it works on, so its peak is set by the largest parameter; ``foreach`` makes
-    them for every parameter at once; ``fused`` makes none.
+    one for every parameter at once; ``fused`` makes none (``formulas.step_temporaries_bytes``).
     """
-    total = 0
-    for optimizer in optimizers:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        if not params:
-            continue
-        sizes = [p.numel() * p.element_size() for p in params]
-        implementation = describe_optimizers([optimizer])
-        if "fused" in implementation or type(optimizer).__name__ not in _ADAM_LIKE:
-            continue
-        total += 2 * sum(sizes) if "foreach" in implementation else 2 * max(sizes)
-    return total
+    return sum(step_temporaries_bytes(optimizer) for optimizer in optimizers)
 
 
 def first_step_jump_bytes(module: nn.Module, optimizers: Sequence[Optimizer], state_now: int) -> tuple[int, int]:

@@ -17,6 +17,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_memtenants.formulas import local_optimizer
+
 TENANTS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
 
 
@@ -29,11 +31,24 @@ def storage_key(tensor: Tensor) -> int:
     return id(tensor.untyped_storage())
 
 
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), else the tensor itself.
+
+    A DTensor is a wrapper whose own storage has the global size; what this rank holds is its local shard.
+    """
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``."""
     total = 0
     add = seen.add
     for tensor in tensors:
+        if type(tensor) not in _PLAIN:
+            tensor = local_tensor(tensor)
         storage = tensor.untyped_storage()
         key = id(storage)
         if key not in seen:
@@ -61,8 +76,11 @@ def batch_tensors(batch: Any) -> list[Tensor]:
 
 
 def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
-    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included."""
-    for optimizer in optimizers:
+    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included.
+
+    A ZeroRedundancyOptimizer's state is read from the local optimizer that holds this rank's shard.
+    """
+    for optimizer in map(local_optimizer, optimizers):
         for state in optimizer.state.values():
             for value in state.values() if isinstance(state, dict) else (state,):
                 if isinstance(value, Tensor):
@@ -87,7 +105,11 @@ class ActivationTracker:
 
     def __init__(self) -> None:
         self._saved: dict[int, tuple[weakref.ref, int]] = {}
+        self._casts: dict[int, tuple[weakref.ref, int]] = {}
         self._ignored: dict[int, weakref.ref] = {}
+        # ids of the parameters: a saved tensor made from one of them by a dtype cast is autocast's
+        # half copy of a weight, reported as ``autocast_cache`` rather than as an activation
+        self.params: frozenset[int] = frozenset()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.error: Exception | None = None
 
@@ -114,6 +136,7 @@ class ActivationTracker:
     def clear(self) -> None:
         """Forget every recorded storage; the next batch starts from nothing."""
         self._saved.clear()
+        self._casts.clear()
         self._ignored.clear()
 
     def __enter__(self) -> ActivationTracker:
@@ -125,16 +148,11 @@ class ActivationTracker:
 
     def live_bytes(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Bytes of recorded storages that are still alive and not in ``exclude``."""
-        total = 0
-        dead = []
-        for key, (ref, nbytes) in self._saved.items():
-            if ref() is None:
-                dead.append(key)
-            elif key not in exclude:
-                total += nbytes
-        for key in dead:
-            del self._saved[key]
-        return total
+        return _live(self._saved, exclude)
+
+    def cast_bytes(self) -> int:
+        """Bytes of half copies of parameters (autocast's casts) that autograd still holds for backward."""
+        return _live(self._casts, frozenset())
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if self.error is None:
@@ -143,7 +161,8 @@ class ActivationTracker:
                 key = id(storage)
                 known = self._saved.get(key)
                 if (known is None or known[0]() is not storage) and key not in self._ignored:
-                    self._saved[key] = (weakref.ref(storage), storage.nbytes())
+                    target = self._casts if self.params and _is_param_cast(tensor, self.params) else self._saved
+                    target[key] = (weakref.ref(storage), storage.nbytes())
             except Exception as error:  # a failed measurement must never fail the forward
                 self.error = error
         return tensor
@@ -151,6 +170,69 @@ class ActivationTracker:
 
 def _unpack(tensor: Tensor) -> Tensor:
     return tensor
+
+
+def _live(records: dict[int, tuple[weakref.ref, int]], exclude: set[int] | frozenset[int]) -> int:
+    total = 0
+    dead = []
+    for key, (ref, _) in records.items():
+        storage = ref()
+        if storage is None:
+            dead.append(key)
+        elif key not in exclude:
+            # read now, not when saved: FSDP frees a gathered parameter by resizing its storage to 0
+            total += storage.nbytes()
+    for key in dead:
+        del records[key]
+    return total
+
+
+def _is_param_cast(tensor: Tensor, params: frozenset[int]) -> bool:
+    """Whether ``tensor`` (or the base it views) is a dtype cast of a parameter: ``_to_copy`` of a leaf."""
+    base = tensor._base if tensor._is_view() else tensor
+    fn = base.grad_fn if base is not None else None
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0] if fn.next_functions else None
+    return id(getattr(source, "variable", None)) in params
+
+
+def checkpointed_regions(output: Tensor) -> int:
+    """How many activation-checkpointed regions (``torch.utils.checkpoint``) the graph of ``output`` holds.
+
+    A reentrant region is one ``CheckpointFunctionBackward`` node; a non-reentrant region packs the
+    tensors its nodes save with its own saved-tensors hook, one per region, which the walk recognises
+    by the hook's module. Nothing is unpacked, so nothing is recomputed.
+    """
+    fn = output.grad_fn
+    if fn is None:
+        return 0
+    reentrant = 0
+    hooks: set[int] = set()
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        kind = type(node)
+        if kind.__name__ == "CheckpointFunctionBackward":
+            reentrant += 1
+        names = _SAVED_NAMES.get(kind)
+        if names is None:
+            names = _SAVED_NAMES[kind] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+        for name in names:
+            saved = getattr(node, name, None)
+            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+                hook = getattr(item, "unpack_hook", None)
+                if hook is not None and getattr(hook, "__module__", "") == "torch.utils.checkpoint":
+                    hooks.add(id(hook))
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return reentrant + len(hooks)
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 class TenantCounter:

@@ -22,6 +22,21 @@ class StateSpec:
     full_size: tuple[str, ...]
     scalars: tuple[str, ...] = ()
     lazy: bool = True
+    factored: bool = False
+
+    def param_bytes(self, param: Tensor, state: dict | None = None) -> int:
+        """State bytes of one parameter: full-size tensors, or Adafactor's row and column factors.
+
+        Scalar counters take the dtype of the tensors already in ``state`` (an optimizer stepped
+        inside a float64 default-dtype context makes float64 ``step`` counters), else the default's.
+        """
+        scalars = sum(_scalar_size((state or {}).get(name)) for name in self.scalars)
+        param = getattr(param, "_local_tensor", param)
+        if self.factored and param.dim() > 1:
+            rows, cols = param.shape[-2], param.shape[-1]
+            outer = param.numel() // (rows * cols)
+            return outer * (rows + cols) * param.element_size() + scalars
+        return len(self.full_size) * _nbytes(param) + scalars
 
 
 def _adam(group: dict) -> StateSpec:
@@ -53,6 +68,20 @@ _SPECS: tuple[tuple[type[Optimizer], object], ...] = (
     (torch.optim.NAdam, lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step", "mu_product"))),
     (torch.optim.RAdam, lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step",))),
 )
+if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
+    # Adafactor keeps a row and a column factor (shape[-1] = 1, shape[-2] = 1) for every parameter of two or
+    # more dimensions and a full-size ``variance`` for the others: its state is not proportional to P.
+    _SPECS += ((torch.optim.Adafactor, lambda group: StateSpec(("variance",), ("step",), factored=True)),)
+
+
+def local_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds state on this rank: ZeroRedundancyOptimizer's local ``optim``, else itself.
+
+    ZeroRedundancyOptimizer keeps its ``state`` empty and its ``param_groups`` global; the state of
+    this rank's shard lives in the wrapped optimizer, whose groups hold only this rank's parameters.
+    """
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
 
 
 def state_spec(optimizer: Optimizer, group: dict) -> StateSpec | None:
@@ -68,7 +97,13 @@ def scalar_bytes() -> int:
     return 8 if torch.get_default_dtype() == torch.float64 else 4
 
 
+def _scalar_size(value: object) -> int:
+    return value.element_size() if isinstance(value, Tensor) else scalar_bytes()
+
+
 def _nbytes(tensor: Tensor) -> int:
+    """numel x element size of this rank's part: a DTensor's (FSDP2's) local shard."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
     return tensor.numel() * tensor.element_size()
 
 
@@ -131,7 +166,7 @@ def expected_fixed_cost(module: nn.Module, optimizers: Sequence[Optimizer] = ())
     unknown: list[str] = []
     unknown_params = 0
     lazy: list[str] = []
-    for optimizer in optimizers:
+    for optimizer in map(local_optimizer, optimizers):
         for group in optimizer.param_groups:
             spec = state_spec(optimizer, group)
             if spec is None:
@@ -142,7 +177,7 @@ def expected_fixed_cost(module: nn.Module, optimizers: Sequence[Optimizer] = ())
                 lazy.append(type(optimizer).__name__)
             for p in group["params"]:
                 if p.requires_grad:
-                    state += len(spec.full_size) * _nbytes(p) + len(spec.scalars) * scalar_bytes()
+                    state += spec.param_bytes(p, optimizer.state.get(p))
     return FixedCost(
         weights_bytes=weights,
         gradients_bytes=gradients,
@@ -197,3 +232,162 @@ def explain_fixed_cost(
 def _optimizer_params_outside(module: nn.Module, optimizers: Sequence[Optimizer]) -> bool:
     inside = {id(p) for p in module.parameters()}
     return any(id(p) not in inside for opt in optimizers for g in opt.param_groups for p in g["params"])
+
+
+# What one optimizer step allocates and frees again, measured on CPU with torch 2.13 (tests/test_optimizers.py):
+# (multiple of the largest parameter for the single-tensor loop, multiple of all parameters for foreach).
+# ``fused`` kernels update in place and allocate nothing the size of a parameter.
+_TEMPORARIES: dict[str, tuple[int, int]] = {
+    "Adam": (2, 1),
+    "AdamW": (2, 1),
+    "NAdam": (2, 1),
+    "RAdam": (2, 1),
+    "Adamax": (1, 1),
+    "Adadelta": (2, 2),
+    "Adagrad": (1, 2),
+    "RMSprop": (1, 1),
+    "Adafactor": (1, 1),
+    "SGD": (0, 0),
+}
+IMPLEMENTATIONS: tuple[str, ...] = ("single-tensor", "foreach", "fused")
+
+
+def optimizer_implementation(optimizer: Optimizer) -> str:
+    """Which implementation ``step()`` runs: ``single-tensor``, ``foreach`` or ``fused``.
+
+    An explicit ``fused``/``foreach`` flag in the parameter group wins; when both are ``None`` the
+    choice is torch's own default (``_default_to_fused_or_foreach``: foreach on CUDA, single-tensor on CPU).
+    """
+    optimizer = local_optimizer(optimizer)
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach"):
+        return "foreach"
+    if "foreach" not in group or group.get("foreach") is False or group.get("differentiable"):
+        return "single-tensor"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        _, foreach = _default_to_fused_or_foreach(params, False, use_fused=False)
+    except Exception:  # a private helper: if it moves, fall back to its documented rule
+        foreach = all(p.device.type == "cuda" for p in params)
+    return "foreach" if foreach else "single-tensor"
+
+
+def step_temporaries_bytes(optimizer: Optimizer) -> int:
+    """The optimizer step's temporaries for the implementation that runs; 0 for an optimizer we do not know."""
+    name = type(local_optimizer(optimizer)).__name__
+    implementation = optimizer_implementation(optimizer)
+    if name not in _TEMPORARIES or implementation == "fused":
+        return 0
+    sizes = [_nbytes(p) for g in local_optimizer(optimizer).param_groups for p in g["params"] if p.requires_grad]
+    if not sizes:
+        return 0
+    single, foreach = _TEMPORARIES[name]
+    return foreach * sum(sizes) if implementation == "foreach" else single * max(sizes)
+
+
+def grad_scaler_bytes(scaler: object) -> int:
+    """Bytes a ``GradScaler`` holds: its ``scale`` and growth tracker, and ``found_inf`` per optimizer and device.
+
+    The per-optimizer ``found_inf`` flags exist from ``unscale_`` until ``update()``; an fp16 scaler thus
+    holds 4 + 4 bytes between steps and 4 more per optimizer while it steps.
+    """
+    total = 0
+    for name in ("_scale", "_growth_tracker"):
+        value = getattr(scaler, name, None)
+        if isinstance(value, Tensor):
+            total += _nbytes(value)
+    for state in getattr(scaler, "_per_optimizer_states", {}).values():
+        total += sum(_nbytes(t) for t in state.get("found_inf_per_device", {}).values())
+    return total
+
+
+def sharded_state_bytes(total_bytes: int, world_size: int) -> int:
+    """The even share of ``total_bytes`` on one of ``world_size`` ranks (ZeRO, FSDP): ceil(total / N)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    return -(-total_bytes // world_size)
+
+
+def zero_partition(param_groups: Sequence[Sequence[Tensor]], world_size: int) -> list[list[Tensor]]:
+    """The parameters each rank owns under ZeroRedundancyOptimizer, by torch's own greedy rule.
+
+    Within each group, largest first, every tensor goes to the rank with the fewest numbers so far
+    (the first such rank on ties); sizes carry over from group to group. Tensors are not split,
+    so a rank's share is near P/N only when no tensor dominates.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    sizes = [0] * world_size
+    ranks: list[list[Tensor]] = [[] for _ in range(world_size)]
+    for group in param_groups:
+        for param in sorted(group, key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            ranks[rank].append(param)
+            sizes[rank] += param.numel()
+    return ranks
+
+
+def zero_state_bytes(param_groups: Sequence[Sequence[Tensor]], world_size: int, spec: StateSpec) -> list[int]:
+    """Optimizer state per rank under ZeroRedundancyOptimizer: ``spec`` applied to each rank's partition.
+
+    For Adam, about 8P/N + 4 bytes per owned tensor on every rank; together exactly one full state.
+    """
+    trainable = [[p for p in group if p.requires_grad] for group in param_groups]
+    return [sum(spec.param_bytes(p) for p in owned) for owned in zero_partition(trainable, world_size)]
+
+
+def fsdp_fixed_cost_bytes(
+    params: int,
+    world_size: int,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    state_bytes_per_param: int = 8,
+    gathered_params: int = 0,
+    gathered_bytes: int | None = None,
+) -> int:
+    """FSDP's fixed cost per rank: sharded weights, gradients and optimizer state, plus the gathered unit.
+
+    With fp32 Adam that is 16P/N, plus the unsharded parameters of the FSDP unit gathered for
+    forward and backward (``gathered_params`` numbers of ``param_bytes`` each, or ``gathered_bytes``).
+    """
+    per_param = param_bytes + grad_bytes + state_bytes_per_param
+    gathered = gathered_params * param_bytes if gathered_bytes is None else gathered_bytes
+    return sharded_state_bytes(per_param * params, world_size) + gathered
+
+
+def deepspeed_zero_bytes(stage: int, params: int, world_size: int, *, largest_layer_params: int = 0) -> int:
+    """Model states per GPU under DeepSpeed ZeRO with fp16 mixed-precision Adam (the ZeRO paper, K = 12).
+
+    fp16 weights (2P) and gradients (2P), and fp32 master weights with Adam's two moments (12P):
+    stage 0 keeps all 16P; stage 1 shards the 12P; stage 2 also the gradients; stage 3 everything,
+    plus the largest layer gathered in fp16 (2 bytes per parameter).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if stage == 0:
+        return 16 * params
+    if stage == 1:
+        return 4 * params + sharded_state_bytes(12 * params, world_size)
+    if stage == 2:
+        return 2 * params + sharded_state_bytes(14 * params, world_size)
+    return sharded_state_bytes(16 * params, world_size) + 2 * largest_layer_params
+
+
+def deepspeed_estimator_bytes(stage: int, params: int, world_size: int, *, largest_layer_params: int = 0) -> int:
+    """DeepSpeed's own ``estimate_zero{2,3}_model_states_mem_needs`` per-GPU figure, without offload.
+
+    Stage 2: 4P + 16P/N; stage 3: 4 x largest layer + 18P/N. Its constants are rounder than the
+    paper's (it counts fp32 gradients and a full-precision gathered layer), so it sits above ours.
+    """
+    if stage == 2:
+        return 4 * params + int(16 * params / world_size)
+    if stage == 3:
+        return 4 * largest_layer_params + int(18 * params / world_size)
+    raise ValueError(f"stage must be 2 or 3 (DeepSpeed has estimators for these only), got {stage!r}")

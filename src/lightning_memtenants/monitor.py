@@ -16,9 +16,16 @@ from lightning_memtenants.census import (
     ActivationTracker,
     TenantCounter,
     batch_tensors,
+    checkpointed_regions,
     optimizer_state_tensors,
 )
-from lightning_memtenants.formulas import expected_fixed_cost, explain_fixed_cost
+from lightning_memtenants.formulas import (
+    expected_fixed_cost,
+    explain_fixed_cost,
+    local_optimizer,
+    optimizer_implementation,
+    step_temporaries_bytes,
+)
 from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain_peak
 from lightning_memtenants.sources import MemorySource, Reading, source_for
 
@@ -79,6 +86,12 @@ class TenantMonitor:
         self._warn = warn
         self._micro: list[dict[str, PhaseReport]] = []
         self.counter = TenantCounter(module, self.optimizers)
+        self.tracker.params = frozenset(id(t) for t in self.counter.tensors)
+        # named parts outside the tenants (report.PARTS): each a function returning its bytes now
+        self.parts: dict[str, Callable[[], int]] = {}
+        # sentences about this run that every step's report carries (the precision, say)
+        self.notes: list[str] = []
+        self._checkpointed = 0
         self._state_bytes: int | None = None
         self._state_signature: tuple[int, ...] = ()
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
@@ -121,9 +134,10 @@ class TenantMonitor:
                 # the module's parameters are re-read on measured steps; a walk of the module
                 # tree at every step would cost more than the rest of the census
                 self.guard("census", self.counter.refresh)
+                self.tracker.params = frozenset(id(t) for t in self.counter.tensors)
             # Optimizer state appears only inside optimizer.step() and is then updated in place,
             # so it is recounted when an optimizer's state gains entries, and on measured steps.
-            signature = tuple(len(optimizer.state) for optimizer in self.optimizers)
+            signature = tuple(len(local_optimizer(optimizer).state) for optimizer in self.optimizers)
             recount = self._state_bytes is None or signature != self._state_signature
             recount = recount or (self.measure and name in ("batch_start", "batch_end"))
             tracker = None if "activations" in self.disabled else self.tracker
@@ -132,12 +146,33 @@ class TenantMonitor:
             if tenants is not None:
                 self._state_bytes = tenants["optimizer_state"]
                 self._state_signature = signature
-                report = PhaseReport(name, tenants, *_fields(reading))
+                report = PhaseReport(name, tenants, *_fields(reading), parts_bytes=self._parts())
                 self._micro[-1][name] = report
                 self._last = report
         if name in _TRACK_FROM and "activations" not in self.disabled:
             self.guard("activations", self.tracker.start)
         return report
+
+    def observe_output(self, output: Any) -> None:
+        """Note what the graph of ``output`` (the loss, before backward) says about activation checkpointing.
+
+        It walks the autograd graph once, so the callback calls it on measured steps only.
+        """
+        if isinstance(output, Tensor):
+            regions = self.guard("checkpoint detection", checkpointed_regions, output)
+            self._checkpointed = max(self._checkpointed, regions or 0)
+
+    def _parts(self) -> dict[str, int]:
+        parts = {}
+        if "activations" not in self.disabled:
+            casts = self.tracker.cast_bytes()
+            if casts:
+                parts["autocast_cache"] = casts
+        for name, read in self.parts.items():
+            value = self.guard(name, read)
+            if value is not None:
+                parts[name] = value
+        return parts
 
     def end_step(self) -> StepReport | None:
         """Close the optimizer step that the phases since the last call belong to."""
@@ -163,6 +198,13 @@ class TenantMonitor:
             checked = self.guard("fixed_cost", self._check_fixed, measured)
             if checked is not None:
                 expected, notes = checked
+        step_notes = list(self.notes)
+        if self._checkpointed:
+            step_notes.append(
+                f"activation checkpointing: {self._checkpointed} checkpointed region(s) keep only their inputs for"
+                " backward and recompute the rest, so the activations tenant is smaller than the forward's"
+            )
+            self._checkpointed = 0
         peak, peak_phase = _step_peak(micro)
         explanation = self.guard("peak explanation", self._explain_peak, phases, peak_phase, peak)
         return StepReport(
@@ -177,6 +219,7 @@ class TenantMonitor:
             peak_phase=peak_phase,
             peak_explanation=explanation or "peak not measured",
             memory_source=self.source.status if peak is not None else "not measured",
+            notes=step_notes,
         )
 
     def close(self) -> None:
@@ -231,6 +274,7 @@ class TenantMonitor:
             peak,
             largest_parameter_bytes=max(sizes, default=0),
             optimizer=describe_optimizers(self.optimizers),
+            expected_temporaries_bytes=sum(step_temporaries_bytes(o) for o in self.optimizers),
         )
 
     def _disable(self, part: str, error: BaseException) -> None:
@@ -248,20 +292,7 @@ class TenantMonitor:
 
 def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
     """Each optimizer's class and the implementation its step runs: single-tensor, foreach or fused."""
-    names = []
-    for optimizer in optimizers:
-        group = optimizer.param_groups[0] if optimizer.param_groups else {}
-        if group.get("fused"):
-            impl = "fused"
-        elif group.get("foreach") or (
-            group.get("foreach") is None
-            and "foreach" in group
-            and all(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
-        ):
-            impl = "foreach"
-        else:
-            impl = "single-tensor"
-        names.append(f"{type(optimizer).__name__} ({impl})")
+    names = [f"{type(local_optimizer(o)).__name__} ({optimizer_implementation(o)})" for o in optimizers]
     return ", ".join(names) or "no optimizer"
 
 

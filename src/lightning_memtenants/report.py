@@ -24,6 +24,14 @@ WINDOW_NAMES: dict[str, str] = {
     "batch_end": "optimizer_step",
 }
 MiB = 1024**2
+# Named parts of the desk outside the four tenants, each measured, never guessed.
+PARTS: dict[str, str] = {
+    "autocast_cache": "half copies of weights made by autocast in forward and saved for backward",
+    "grad_scaler": "the GradScaler's scale, growth tracker and found-inf flags",
+    "ddp_buckets": "DDP's gradient buckets, where gradients are not views into them",
+    "cublas_workspace": "cuBLAS workspaces in allocated memory, one per thread that multiplies (predicted)",
+    "allocator_rounding": "the CUDA caching allocator's rounding of every block up to 512 bytes (predicted)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class PhaseReport:
     allocated_bytes: int | None = None
     window_peak_bytes: int | None = None
     reserved_bytes: int | None = None
+    parts_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -46,8 +55,10 @@ class PhaseReport:
 
     @property
     def other_bytes(self) -> int | None:
-        """Allocated minus the four tenants: the batch, temporaries, caches; so the desk adds up."""
-        return None if self.allocated_bytes is None else self.allocated_bytes - self.total_bytes
+        """Allocated minus the four tenants and the named parts: the batch, temporaries; so the desk adds up."""
+        if self.allocated_bytes is None:
+            return None
+        return self.allocated_bytes - self.total_bytes - sum(self.parts_bytes.values())
 
     @property
     def fragmentation_bytes(self) -> int | None:
@@ -76,6 +87,16 @@ class StepReport:
     peak_phase: str | None = None
     peak_explanation: str = "peak not measured"
     memory_source: str = "not measured"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def parts_bytes(self) -> dict[str, int]:
+        """High-water mark of each named part outside the tenants (``PARTS``) over the step."""
+        out: dict[str, int] = {}
+        for phase in (p for mb in self.micro_batches for p in mb.values()):
+            for name, value in phase.parts_bytes.items():
+                out[name] = max(out.get(name, 0), value)
+        return out
 
     @property
     def fixed_deviation_bytes(self) -> int:
@@ -115,6 +136,8 @@ class StepReport:
             if name == "batch_end":
                 optional["memtenants/reserved_MiB"] = phase.reserved_bytes
                 optional["memtenants/fragmentation_MiB"] = phase.fragmentation_bytes
+        for name, value in self.parts_bytes.items():
+            optional[f"memtenants/part/{name}_MiB"] = value
         out.update({tag: value / MiB for tag, value in optional.items() if value is not None})
         return dict(sorted(out.items()))
 
@@ -147,6 +170,9 @@ def format_table(report: StepReport) -> str:
         f" sum of tenants {_mib(report.tenant_sum_bytes)} MiB"
     )
     lines.append(f"- {report.peak_explanation}")
+    for name, value in report.parts_bytes.items():
+        lines.append(f"- {name}: {value:,} bytes at its high-water mark ({PARTS.get(name, 'a named part')})")
+    lines.extend(f"- {note}" for note in report.notes)
     lines.append(
         f"fixed cost (weights + gradients + optimizer state): expected {report.expected_fixed_bytes:,} bytes"
         f" ({report.expected_fixed_bytes / MiB:.2f} MiB), measured {report.measured_fixed_bytes:,} bytes"
@@ -169,8 +195,13 @@ def explain_peak(
     *,
     largest_parameter_bytes: int,
     optimizer: str,
+    expected_temporaries_bytes: int | None = None,
 ) -> str:
-    """One sentence on what held memory at the peak, from the phases around it."""
+    """One sentence on what held memory at the peak, from the phases around it.
+
+    ``optimizer`` names each optimizer and the implementation that ran (single-tensor, foreach or
+    fused), whose temporaries differ: ``expected_temporaries_bytes`` is the formula's figure for them.
+    """
     if peak_bytes is None or peak_phase is None:
         return "peak not measured: no memory source measured this step"
     where = f"peak inside {WINDOWS[peak_phase]}"
@@ -186,14 +217,19 @@ def explain_peak(
         )
         if created > 0:
             text += f", on top of {created / MiB:.2f} MiB of optimizer state the step created"
+        if expected_temporaries_bytes is not None:
+            text += f"; the formula for this implementation expects {expected_temporaries_bytes / MiB:.2f} MiB"
         return text
     if peak_phase == "before_backward":
         text = f"{where}: {phase.tenants_bytes['activations'] / MiB:.2f} MiB of activations on top of the fixed tenants"
         begin = phases.get("batch_start")
         if begin is not None and begin.tenants_bytes["gradients"] > 0:
             text += "; the previous step's gradients are still resident (Lightning zeroes them after the forward)"
-        return text
+        return text + f"; the optimizer step ({optimizer}) stayed below it"
     if peak_phase == "after_backward":
         gradients = phase.tenants_bytes["gradients"] / MiB
-        return f"{where}: gradients ({gradients:.2f} MiB) materialise while activations are still alive"
+        return (
+            f"{where}: gradients ({gradients:.2f} MiB) materialise while activations are still alive;"
+            f" the optimizer step ({optimizer}) stayed below it"
+        )
     return where

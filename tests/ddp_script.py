@@ -1,0 +1,130 @@
+"""Two CPU processes under Lightning's DDP (gloo); run by tests/test_ddp.py as ``python ddp_script.py MODE OUT``.
+
+Lightning's launcher starts rank 1 by running this script again. Each rank writes what its own callback
+measured to ``OUT/rank<r>.json``; rank zero also writes what its logger received to ``OUT/logged.json``.
+
+Modes: ``ddp`` (Adam; then ZeroRedundancyOptimizer with gradient_as_bucket_view=True, in a second fit),
+``fsdp`` (FSDP2 ``fully_shard`` through Lightning's ModelParallelStrategy, which runs on CPU with gloo),
+``fault`` (the census fails on rank 1 only: both ranks must finish), ``crash`` (rank 1's training_step
+raises: the run must end, not hang).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import RecordingLogger
+
+from lightning_memtenants import MemoryTenantsCallback
+from lightning_memtenants.census import TenantCounter
+
+
+class Net(L.LightningModule):
+    """Linear(32, 64), Tanh, Linear(64, 16): 3,152 parameters. Rank r trains on 2 + 2r samples of each batch."""
+
+    def __init__(self, zero: bool = False, crash: bool = False, fsdp: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+        self.zero, self.crash, self.fsdp = zero, crash, fsdp
+
+    def configure_model(self) -> None:
+        """FSDP2 through Lightning's ModelParallelStrategy: each Linear is a unit, sharded over the 2 ranks."""
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2], self.net):
+                fully_shard(layer, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.crash and self.global_rank == 1 and batch_idx == 2:
+            raise RuntimeError("rank 1 fails on purpose")
+        x = batch[0][: 2 + 2 * self.global_rank]
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        if self.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def fit(
+    zero: bool = False, crash: bool = False, gradient_as_bucket_view: bool = False, fsdp: bool = False
+) -> tuple[MemoryTenantsCallback, RecordingLogger]:
+    cb = MemoryTenantsCallback(print_summary=False)
+    logger = RecordingLogger()
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if fsdp
+        else DDPStrategy(process_group_backend="gloo", gradient_as_bucket_view=gradient_as_bucket_view)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=4,
+        log_every_n_steps=2,
+        logger=logger,
+        callbacks=[cb],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
+    trainer.fit(Net(zero, crash, fsdp), DataLoader(data, batch_size=8))
+    return cb, logger
+
+
+def summary(cb: MemoryTenantsCallback, logger: RecordingLogger) -> dict[str, Any]:
+    report = cb.latest
+    return {
+        "tenants": report.tenants_bytes,
+        "end": report.phases["batch_end"].tenants_bytes,
+        "parts": report.parts_bytes,
+        "notes": report.notes,
+        "expected_fixed": report.expected_fixed_bytes,
+        "measured_fixed": report.measured_fixed_bytes,
+        "fixed_notes": report.fixed_cost_notes,
+        "logged": logger.logged,
+    }
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if mode == "fault":
+        count = TenantCounter.count
+
+        def failing(self: TenantCounter, *args: Any, **kwargs: Any) -> dict[str, int]:
+            if torch.distributed.get_rank() == 1:
+                raise RuntimeError("census fails on rank 1")
+            return count(self, *args, **kwargs)
+
+        TenantCounter.count = failing  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+    cb, logger = fit(crash=mode == "crash", fsdp=mode == "fsdp")
+    rank = torch.distributed.get_rank()
+    results["ddp"] = summary(cb, logger) if cb.latest is not None else {"latest": None, "logged": logger.logged}
+    if mode == "ddp":
+        results["zero"] = summary(*fit(zero=True, gradient_as_bucket_view=True))
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

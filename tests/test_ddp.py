@@ -1,0 +1,127 @@
+"""Two processes on CPU (gloo): per-rank tenants, cross-rank max and min, DDP's buckets, ZeroRedundancyOptimizer's
+sharded state, FSDP2's shards, and no hang when a rank fails. Each run is ``tests/ddp_script.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+from lightning_memtenants.formulas import StateSpec, fsdp_fixed_cost_bytes, zero_state_bytes
+
+SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
+P = 32 * 64 + 64 + 64 * 16 + 16  # 3,152 parameters in 4 tensors
+MiB = 2**20
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def launch(mode: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    """Run the script; a hang fails the test by the timeout instead of blocking the suite."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp")
+    done = launch("ddp", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_each_rank_measures_its_own_tenants(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        ddp = result["ddp"]
+        assert ddp["end"]["weights"] == ddp["end"]["gradients"] == 4 * P
+        assert ddp["end"]["optimizer_state"] == 8 * P + 4 * 4
+        assert ddp["expected_fixed"] == ddp["measured_fixed"] == 16 * P + 16
+        assert ddp["fixed_notes"] == []
+        # rank r trains on 2 + 2r samples: Tanh keeps 64 numbers a sample, pow keeps the 16 outputs
+        assert ddp["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4
+
+
+def test_ddp_buckets_are_their_own_part(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        assert result["ddp"]["parts"] == {"ddp_buckets": 4 * P}
+        assert "gradient_as_bucket_view=False" in result["ddp"]["notes"][0]
+        # with gradient_as_bucket_view=True the gradients are views into the buckets: nothing more to count
+        assert result["zero"]["parts"] == {}
+        assert result["zero"]["end"]["gradients"] == 4 * P
+        assert "gradient_as_bucket_view=True" in result["zero"]["notes"][0]
+
+
+def test_zero_redundancy_optimizer_state_is_sharded_and_exact(ranks: list[dict[str, Any]]) -> None:
+    states = [result["zero"]["end"]["optimizer_state"] for result in ranks]
+    for result in ranks:
+        assert result["zero"]["expected_fixed"] == result["zero"]["measured_fixed"]
+        assert result["zero"]["fixed_notes"] == []
+    # ZeRO shards whole tensors by size: rank 0 holds the 64 x 32 weight, rank 1 the other three tensors
+    assert states == [8 * 2048 + 4, 8 * (64 + 1024 + 16) + 3 * 4]
+    params = list(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16)).parameters())
+    assert states == zero_state_bytes([params], 2, StateSpec(("exp_avg", "exp_avg_sq"), ("step",)))
+    assert sum(states) == 8 * P + 4 * 4  # together, one full copy of Adam's state: about 8P/N each
+    assert abs(states[0] - 8 * P / 2) / (8 * P / 2) < 0.35
+
+
+def test_rank_zero_logs_every_rank_and_the_cross_rank_max_and_min(ranks: list[dict[str, Any]]) -> None:
+    logged = ranks[0]["ddp"]["logged"]
+    assert [step for step, _ in logged] == [0, 2]  # log_every_n_steps=2, 4 steps
+    metrics = logged[-1][1]
+    activations = [2 * 80 * 4, 4 * 80 * 4]
+    for rank in (0, 1):
+        assert metrics[f"memtenants/rank_{rank}/activations_MiB"] * MiB == pytest.approx(activations[rank])
+        assert metrics[f"memtenants/rank_{rank}/optimizer_state_MiB"] * MiB == pytest.approx(8 * P + 16)
+        assert f"memtenants/rank_{rank}/peak_MiB" in metrics
+    assert metrics["memtenants/ranks_max/activations_MiB"] * MiB == pytest.approx(max(activations))
+    assert metrics["memtenants/ranks_min/activations_MiB"] * MiB == pytest.approx(min(activations))
+    assert metrics["memtenants/ranks_max/weights_MiB"] == metrics["memtenants/ranks_min/weights_MiB"]
+
+
+def test_a_failing_measurement_on_one_rank_does_not_hang_the_others(tmp_path: Path) -> None:
+    done = launch("fault", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["ddp"] for r in (0, 1))
+    assert rank1["latest"] is None  # its census was disabled after the first failure
+    assert rank0["end"]["optimizer_state"] == 8 * P + 16
+    metrics = rank0["logged"][-1][1]
+    assert "memtenants/rank_0/weights_MiB" in metrics and "memtenants/rank_1/weights_MiB" not in metrics
+    assert metrics["memtenants/ranks_max/weights_MiB"] * MiB == 4 * P
+
+
+def test_a_crashing_rank_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:
+    done = launch("crash", tmp_path, timeout=120)
+    assert done.returncode != 0
+    assert "rank 1 fails on purpose" in done.stderr
+    assert not (tmp_path / "rank0.json").exists()
+
+
+def test_fsdp2_on_cpu_holds_16p_over_n_per_rank(tmp_path: Path) -> None:
+    """Lightning's FSDPStrategy refuses the CPU; its ModelParallelStrategy runs FSDP2 (``fully_shard``) with gloo."""
+    done = launch("fsdp", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())["ddp"]
+        end = result["end"]
+        # every tensor here splits evenly over 2 ranks, so each rank holds exactly half: 4P/2, 4P/2, 8P/2 + 4 steps
+        assert (end["weights"], end["gradients"], end["optimizer_state"]) == (2 * P, 2 * P, 4 * P + 16)
+        assert result["expected_fixed"] == result["measured_fixed"] == fsdp_fixed_cost_bytes(P, 2) + 16
+        assert result["fixed_notes"] == []
+        assert result["notes"][0].startswith("FSDP: weights, gradients and optimizer state are this rank's shards")
+        # the gathered parameters are freed again after forward: only the activations remain at its end
+        assert result["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4
