@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint gpu-check bench clean
+.PHONY: demo test lint gpu-check bench screenshots clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ gpu-check:
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The TensorBoard screenshots under docs/: a seed run, a real tensorboard, headless Chromium (Debian's package).
+# Not part of `make test`.
+screenshots: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	$(PY) scripts/screenshots.py --out docs
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

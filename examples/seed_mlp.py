@@ -57,10 +57,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--logdir", default="lightning_logs")
+    parser.add_argument(
+        "--budget", default=None, help='a memory budget such as "1GiB": adds headroom and max batch size'
+    )
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
-    memtenants = MemoryTenantsCallback()
+    memtenants = MemoryTenantsCallback(budget_bytes=args.budget)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=args.steps,

@@ -162,6 +162,8 @@ def test_every_logged_tag_is_in_the_readme(seed_run) -> None:
 
 def test_summary_table_is_printed_at_the_end(seed_run) -> None:
     _, _, printed = seed_run
+    assert printed[0].endswith("the layout, desk picture and summary need a TensorBoardLogger")
+    printed = printed[1:]
     assert len(printed) == 2  # the first step, then the last
     assert "optimizer step 1" in printed[-1]
     assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", printed[-1])

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -25,10 +26,13 @@ from lightning_memtenants.alerts import (
     write_postmortem,
 )
 from lightning_memtenants.census import take_census
+from lightning_memtenants.distributed import gather_rank_metrics
+from lightning_memtenants.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
 from lightning_memtenants.forecast import PeakForecast, batch_elements, parse_bytes
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.report import PHASES, WINDOW_NAMES, MiB, StepReport, format_table
 from lightning_memtenants.sources import MemorySource, TrackerSource
+from lightning_memtenants.tensorboard import TensorBoardPanels
 
 _SOURCES = ("auto", "tracker", "none")
 
@@ -66,6 +70,8 @@ class MemoryTenantsCallback(Callback):
         log_every_n_steps: log every this many optimizer steps; ``None`` follows the
             trainer's ``log_every_n_steps``.
         print_summary: print the table of the last step at the end of fit.
+        desk_every_n_logs: with a TensorBoardLogger, log the desk picture on every this-many-th
+            logging step (the first included); ``0``: only at the end of fit.
 
     Raises:
         ValueError: if an argument has the wrong type or value.
@@ -94,6 +100,7 @@ class MemoryTenantsCallback(Callback):
         strict: bool = False,
         postmortem_dir: str | os.PathLike[str] | None = None,
         record_history: bool = False,
+        desk_every_n_logs: int = 10,
     ) -> None:
         flags = {"track_activations": track_activations, "track_every_step": track_every_step}
         flags.update(print_summary=print_summary, strict=strict, record_history=record_history)
@@ -108,6 +115,8 @@ class MemoryTenantsCallback(Callback):
             raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {memory_source!r}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
+        if isinstance(desk_every_n_logs, bool) or not isinstance(desk_every_n_logs, int) or desk_every_n_logs < 0:
+            raise ValueError(f"desk_every_n_logs must be an int >= 0 (0: only at the end), got {desk_every_n_logs!r}")
         if postmortem_dir is not None and not isinstance(postmortem_dir, (str, os.PathLike)):
             raise ValueError(f"postmortem_dir must be None or a path, got {postmortem_dir!r}")
         self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
@@ -127,6 +136,8 @@ class MemoryTenantsCallback(Callback):
         self.track_every_step = track_every_step
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
+        self.desk_every_n_logs = desk_every_n_logs
+        self._panels: TensorBoardPanels | None = None
         self.latest: StepReport | None = None
         self.latest_measured: StepReport | None = None
         self.first: StepReport | None = None
@@ -145,10 +156,15 @@ class MemoryTenantsCallback(Callback):
         self._monitor = TenantMonitor(
             pl_module, optimizers, track_activations=self.track_activations, source=source, warn=rank_zero_warn
         )
+        self._monitor.guard("precision and strategy", self._describe_engines, trainer, pl_module)
+        self._rank_metrics: dict[str, float] = {}
         self._warned = set()
         self._budget = self.budget_bytes or device_budget_bytes(pl_module.device)
         if self.record_history and pl_module.device.type == "cuda":
             self._recording = bool(self._monitor.guard("allocator history", _start_history))
+        self._panels = self._monitor.guard("tensorboard panels", self._open_panels, trainer)
+        if self._panels is not None:
+            self._panels.write_layout()
 
     @property
     def budget(self) -> int | None:
@@ -199,6 +215,8 @@ class MemoryTenantsCallback(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._phase("before_backward")
         monitor = self._monitor
+        if monitor is not None and monitor.measure:
+            monitor.observe_output(loss)
         if monitor is not None and self._budget is not None and "forecast" not in monitor.disabled:
             projected = monitor.guard("forecast", self._project_backward)
             if projected is not None:
@@ -242,6 +260,9 @@ class MemoryTenantsCallback(Callback):
             monitor.tracker.stop()
             return
         report = monitor.end_step()
+        if trainer.world_size > 1 and bool(trainer.loggers) and self._logs_step(trainer, monitor.steps_done - 1):
+            # every rank takes part on the same steps, whatever its own measurement did, so none waits
+            self._rank_metrics = _gather_or_warn(trainer, report)
         if report is None:
             return
         self.latest = report
@@ -265,6 +286,10 @@ class MemoryTenantsCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
+        if self._panels is not None and self.latest is not None:
+            reports = [self.latest] if self.first in (None, self.latest) else [self.first, self.latest]
+            desk = self.latest_measured or self.latest
+            self._panels.on_fit_end(reports, _logged_step(trainer), self._budget, desk)
         if self.print_summary and self.latest is not None:
             if self.first is not None and self.first is not self.latest:
                 rank_zero_info(format_table(self.first))
@@ -273,7 +298,9 @@ class MemoryTenantsCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         monitor = self._monitor
         if monitor is not None and (isinstance(exception, torch.OutOfMemoryError) or is_oom_error(exception)):
-            monitor.guard("postmortem", self._postmortem, trainer, pl_module, exception)
+            written = monitor.guard("postmortem", self._postmortem, trainer, pl_module, exception)
+            if written is not None and self._panels is not None:
+                self._panels.on_postmortem(written, _logged_step(trainer), self.latest)
         self._close(release=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -304,6 +331,7 @@ class MemoryTenantsCallback(Callback):
                     self._recording = False
                     self._monitor.guard("allocator history", torch.cuda.memory._record_memory_history, None)
                 self._monitor = None
+                self._panels = None
 
     def _logs_step(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -323,9 +351,43 @@ class MemoryTenantsCallback(Callback):
         largest = self.max_batch_size() if self.forecast.ready else None
         if largest is not None:
             metrics["memtenants/max_batch_size"] = float(largest)
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        metrics.update(self._rank_metrics)
+        step = _logged_step(trainer)
         for logger in trainer.loggers:
             monitor.guard("logging", logger.log_metrics, dict(sorted(metrics.items())), step)
+        if self._panels is not None:
+            self._panels.on_log(report, step, self._budget)
+
+    def _describe_engines(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Sentences and named parts from the precision plugin (GradScaler) and the strategy (DDP buckets)."""
+        monitor = self._monitor
+        assert monitor is not None
+        plugin = trainer.precision_plugin
+        monitor.notes = precision_notes(plugin, pl_module, pl_module.device.type)
+        reader = scaler_part(plugin)
+        if reader is not None:
+            monitor.parts["grad_scaler"] = reader
+        notes, buckets = ddp_notes_and_part(trainer.strategy.model, lambda: monitor.measure)
+        monitor.notes += notes + sharding_notes(pl_module, trainer.world_size)
+        if buckets is not None:
+            monitor.parts["ddp_buckets"] = buckets
+
+    def _open_panels(self, trainer: pl.Trainer) -> TensorBoardPanels | None:
+        """The TensorBoard panels for this run, on rank zero; other loggers get the scalars only."""
+        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if trainer.loggers and not boards:
+            names = ", ".join(type(logger).__name__ for logger in trainer.loggers)
+            rank_zero_info(
+                f"memtenants: {names} gets the scalars; the layout, desk picture and summary need a TensorBoardLogger"
+            )
+        if not boards or not trainer.is_global_zero:
+            return None
+        return TensorBoardPanels(
+            [logger.experiment for logger in boards],
+            [logger.log_dir for logger in boards],
+            desk_every_n_logs=self.desk_every_n_logs,
+            guard=self._monitor.guard if self._monitor is not None else None,
+        )
 
     def _headroom(self, report: StepReport) -> int | None:
         if self._budget is None or report.peak_bytes is None:
@@ -382,7 +444,7 @@ class MemoryTenantsCallback(Callback):
             )
         return self._current_bytes() + max(gradients, 0) + state + temporaries
 
-    def _postmortem(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def _postmortem(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> Path:
         monitor = self._monitor
         assert monitor is not None
         last = monitor.last_phase()
@@ -418,6 +480,21 @@ class MemoryTenantsCallback(Callback):
         if self.record_history and pl_module.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(Path(directory) / "memtenants_oom_snapshot.pickle"))
         rank_zero_warn(f"memtenants: out of memory; postmortem written to {json_path}")
+        return json_path
+
+
+def _logged_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's own logging uses (optimizer steps taken), so our scalars line up with the user's."""
+    return getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+
+
+def _gather_or_warn(trainer: pl.Trainer, report: StepReport | None) -> dict[str, float]:
+    """Each rank's figures and their max and min; a failed collective warns and logs none of them."""
+    try:
+        return gather_rank_metrics(trainer.strategy, report)
+    except Exception as error:  # the collective itself failed: the process group is gone, training will say so
+        rank_zero_warn(f"memtenants: gathering per-rank figures failed ({type(error).__name__}: {error})")
+        return {}
 
 
 def _start_history() -> bool:

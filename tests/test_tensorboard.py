@@ -1,0 +1,302 @@
+"""The TensorBoard panels, checked in a real ``tensorboard`` server and in the event files it reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import SEED_WEIGHTS, RecordingLogger, make_trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from seed_mlp import SeedMLP, seed_loader
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_memtenants.tensorboard as panels
+from lightning_memtenants import MemoryTenantsCallback
+from lightning_memtenants.report import PARTS, MiB
+from lightning_memtenants.tensorboard import custom_scalars_layout, desk_figure, summary_markdown
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TENSORBOARD = Path(sys.executable).parent / "tensorboard"
+RUN = "seed_mlp/version_0"
+SEED_FIXED = 402_800_664
+BUDGET = 1024 * MiB
+CUDA_ONLY = {"memtenants/reserved_MiB", "memtenants/fragmentation_MiB"}  # need an allocator that reserves
+# logged only under mixed precision, a GradScaler or DDP (tests/test_matrix.py checks them)
+CONDITIONAL = {f"memtenants/part/{name}_MiB" for name in PARTS}
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[MemoryTenantsCallback, Path]:
+    """The seed example's model and data in a Trainer with a TensorBoardLogger: 3 steps at batch 32."""
+    root = tmp_path_factory.mktemp("tb")
+    L.seed_everything(0, verbose=False)
+    cb = MemoryTenantsCallback(budget_bytes="1GiB", print_summary=False)
+    trainer = make_trainer([cb], steps=3, logger=TensorBoardLogger(root, name="seed_mlp"))
+    trainer.fit(SeedMLP(), seed_loader(32, 3))
+    return cb, root
+
+
+@pytest.fixture(scope="module")
+def server(seed_run: tuple[MemoryTenantsCallback, Path]) -> Iterator[str]:
+    """A real TensorBoard on 127.0.0.1 and a free port, serving the seed run; stopped at teardown."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [str(TENSORBOARD), "--logdir", str(seed_run[1]), "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if RUN in get(base, "/data/runs"):
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensorboard did not come up: {process.stderr.read().decode()[-2000:]}")
+            time.sleep(0.25)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def get(base: str, path: str, **query: str) -> Any:
+    url = base + path + ("?" + urllib.parse.urlencode(query) if query else "")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = response.read()
+        return json.loads(body) if "json" in response.headers.get("Content-Type", "") else body
+
+
+def documented_tags() -> set[str]:
+    return set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", README.read_text()))
+
+
+def test_scalars_endpoint_lists_every_documented_tag(server: str) -> None:
+    tags = set(get(server, "/data/plugin/scalars/tags")[RUN])
+    assert all(tag.startswith("memtenants/") for tag in tags)
+    expected = {tag for tag in documented_tags() if tag.endswith(("_MiB", "_size"))} - CUDA_ONLY - CONDITIONAL
+    assert tags == expected
+    assert len(tags) == 23
+
+
+def test_custom_scalars_endpoint_returns_our_layout(server: str) -> None:
+    served = get(server, "/data/plugin/custom_scalars/layout")
+    ours = custom_scalars_layout()
+    assert served["category"] == [
+        {
+            "title": title,
+            "chart": [{"title": chart, "multiline": {"tag": tags}} for chart, (_kind, tags) in charts.items()],
+            "closed": False,
+        }
+        for title, charts in ours.items()
+    ]
+    titles = [chart["title"] for chart in served["category"][0]["chart"]]
+    assert titles[:5] == [
+        "tenants (MiB)",
+        "peak vs sum of tenants (MiB)",
+        "fixed cost: expected vs measured (MiB)",
+        "headroom (MiB)",
+        "max batch size (samples)",
+    ]
+    # every chart's regular expression matches exactly one logged tag: no chart is empty on a budgeted CPU run
+    logged = get(server, "/data/plugin/scalars/tags")[RUN]
+    for chart in served["category"][0]["chart"]:
+        for pattern in chart["multiline"]["tag"]:
+            assert [tag for tag in logged if re.match(pattern, tag)] == [pattern]
+
+
+def test_images_endpoint_lists_the_desk(server: str) -> None:
+    tags = get(server, "/data/plugin/images/tags")
+    assert tags == {RUN: {"memtenants/desk": {"displayName": "", "description": "", "samples": 1}}}
+    images = get(server, "/data/plugin/images/images", run=RUN, tag="memtenants/desk")
+    # the first logging step (desk_every_n_logs=10), then the last measured step at the end of fit
+    assert [image["step"] for image in images] == [0, 2]
+    png = get(server, "/data/plugin/images/individualImage", blob_key=images[-1]["query"].split("blob_key=")[-1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_endpoint_lists_the_summary(server: str) -> None:
+    assert get(server, "/data/plugin/text/tags") == {RUN: ["memtenants/summary/text_summary"]}
+    (entry,) = get(server, "/data/plugin/text/text", run=RUN, tag="memtenants/summary/text_summary")
+    html = entry["text"]
+    assert entry["step"] == 2  # the step whose scalars the last table shows
+    assert html.count("<strong>high-water mark</strong>") == 2  # a table for the first step and one for the last
+    assert "memtenants: optimizer step 0" in html and "memtenants: optimizer step 2" in html
+    assert "expected 402,800,664 bytes" in html
+    assert "peak inside the optimizer step" in html
+
+
+def test_event_file_holds_the_seed_weights_to_the_byte(seed_run) -> None:
+    cb, root = seed_run
+    events = EventAccumulator(str(root / RUN), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    weights = [event.value for event in events.Scalars("memtenants/weights_MiB")]
+    assert SEED_WEIGHTS == 100_700_160
+    assert weights == [100_700_160 / MiB] * 3  # 96.03515625, exact in float32
+    assert round(weights[0], 2) == 96.04
+    fixed = [event.value for event in events.Scalars("memtenants/fixed_measured_MiB")]
+    assert fixed[-1] == float(np.float32(SEED_FIXED / MiB))
+    headroom = events.Scalars("memtenants/headroom_MiB")[-1].value
+    assert headroom == float(np.float32((BUDGET - cb.latest.peak_bytes) / MiB))
+    assert "custom_scalars__config__" in events.Tags()["tensors"]
+
+
+def test_png_and_markdown_in_the_log_dir(seed_run) -> None:
+    cb, root = seed_run
+    png = root / RUN / "memtenants_desk.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (root / RUN / "memtenants_summary.md").read_text()
+    assert "| `batch_end` | 96.04 | 96.04 | 192.07 | 0.00 |" in text
+    assert text.strip() == "\n\n".join(summary_markdown(r, BUDGET) for r in (cb.first, cb.latest))
+
+
+def test_desk_picture_draws_the_report(seed_run) -> None:
+    cb, _ = seed_run
+    report = cb.latest
+    figure = desk_figure(report, BUDGET)
+    axes = figure.axes[0]
+    stacks = {container.get_label(): [bar.get_height() for bar in container] for container in axes.containers}
+    assert list(stacks) == ["weights", "gradients", "optimizer_state", "activations", "other"]
+    phases = list(report.phases.values())
+    for name, heights in stacks.items():
+        if name == "other":
+            expected = [p.other_bytes / MiB for p in phases]
+        else:
+            expected = [p.tenants_bytes[name] / MiB for p in phases]
+        assert heights == pytest.approx(expected)
+    assert stacks["weights"] == [100_700_160 / MiB] * 5
+    lines = {line.get_label(): line for line in axes.lines}
+    assert lines["budget 1,024 MiB"].get_ydata()[0] == pytest.approx(1024)
+    star = lines["step peak"]
+    assert star.get_xdata()[0] == list(report.phases).index(report.peak_phase)
+    assert star.get_ydata()[0] == pytest.approx(report.peak_bytes / MiB)
+    assert "window peak" in {collection.get_label() for collection in axes.collections}
+
+
+def test_every_panel_tag_is_in_the_readme() -> None:
+    documented = documented_tags()
+    assert {panels.TAG_DESK, panels.TAG_SUMMARY, panels.TAG_POSTMORTEM} <= documented
+    assert {tag for charts in custom_scalars_layout().values() for _, tags in charts.values() for tag in tags} <= (
+        documented
+    )
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, oom_at_step: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.oom_at_step = oom_at_step
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.oom_at_step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def tiny_loader(steps: int) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(4 * steps, 8)), batch_size=4)
+
+
+def read_events(directory: Path) -> EventAccumulator:
+    (run,) = {path.parent for path in directory.rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def test_desk_rate_follows_the_option(tmp_path) -> None:
+    cb = MemoryTenantsCallback(desk_every_n_logs=2, print_summary=False)
+    make_trainer([cb], steps=5, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(5))
+    events = read_events(tmp_path)
+    assert [image.step for image in events.Images(panels.TAG_DESK)] == [0, 2, 4]  # the last is not drawn twice
+    assert len(events.Scalars("memtenants/weights_MiB")) == 5
+
+
+def test_desk_every_0_draws_only_at_the_end(tmp_path) -> None:
+    cb = MemoryTenantsCallback(desk_every_n_logs=0, print_summary=False)
+    make_trainer([cb], steps=3, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(3))
+    assert [image.step for image in read_events(tmp_path).Images(panels.TAG_DESK)] == [2]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "10", None])
+def test_bad_desk_rate_is_rejected(value) -> None:
+    with pytest.raises(ValueError, match="desk_every_n_logs"):
+        MemoryTenantsCallback(desk_every_n_logs=value)
+
+
+def test_other_loggers_get_scalars_and_one_info_line(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    recording = RecordingLogger()
+    cb = MemoryTenantsCallback(print_summary=False)
+    with caplog.at_level(logging.INFO):
+        make_trainer([cb], steps=3, logger=[recording, CSVLogger(tmp_path)]).fit(Tiny(), tiny_loader(3))
+    notes = [r.getMessage() for r in caplog.records if "need a TensorBoardLogger" in r.getMessage()]
+    assert notes == [
+        "memtenants: RecordingLogger, CSVLogger gets the scalars; the layout, desk picture and summary need a"
+        " TensorBoardLogger"
+    ]
+    assert len(recording.logged) == 3
+    assert "memtenants/weights_MiB" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert not list(tmp_path.rglob("memtenants_desk.png"))
+
+
+def test_a_failing_picture_warns_once_and_disables_only_the_picture(tmp_path, monkeypatch) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("no renderer")
+
+    monkeypatch.setattr(panels, "desk_figure", broken)
+    cb = MemoryTenantsCallback(desk_every_n_logs=1, print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], steps=3, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(3))
+    messages = [str(w.message) for w in caught if "memtenants" in str(w.message)]
+    assert messages == [
+        "memtenants: measuring desk picture failed (RuntimeError: no renderer); desk picture is disabled from now on"
+    ]
+    events = read_events(tmp_path)
+    assert events.Tags()["images"] == []
+    assert len(events.Scalars("memtenants/weights_MiB")) == 3
+    assert {"custom_scalars__config__", "memtenants/summary/text_summary"} <= set(events.Tags()["tensors"])
+    assert cb.latest is not None and cb.latest.step == 2
+
+
+def test_oom_postmortem_goes_to_the_text_panel(tmp_path) -> None:
+    module = Tiny(oom_at_step=2)
+    cb = MemoryTenantsCallback(memory_source="none", print_summary=False)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"), pytest.warns(match="postmortem written"):
+        make_trainer([cb], steps=4, logger=TensorBoardLogger(tmp_path)).fit(module, tiny_loader(4))
+    events = read_events(tmp_path)
+    (entry,) = events.Tensors("memtenants/postmortem/text_summary")
+    text = entry.tensor_proto.string_val[0].decode()
+    assert text.startswith("### memtenants OOM postmortem: step 2")
+    assert "Failed in the forward pass (`forward`), after `batch_start`." in text
+    assert "The last completed step:" in text and "### memtenants: optimizer step 1" in text
+    assert "Fixes, most bytes saved first:" in text
+    assert cb.postmortem_path == Path(cb.postmortem_path) and cb.postmortem_path.parent == tmp_path / (
+        "lightning_logs/version_0"
+    )
