@@ -51,6 +51,8 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path) -> None:
         (("predict", "no_colon"), "FILE.py:NAME"),
         (("predict", str(tmp_path / "missing.py") + ":Model"), "no such file"),
         (("predict", f"{GPT}:Nope"), "has no class or function 'Nope'"),
+        (("predict", f"{GPT}:TinyGPT", "--target", "cuda", "--gpu", "Voodoo3"), "--gpu must be one of"),
+        (("predict", f"{GPT}:TinyGPT", "--gpu", "A6000"), "--gpu needs --target cuda"),
     ]
     for args, expected in cases:
         run = memtenants(*args)
@@ -68,3 +70,18 @@ def test_an_import_error_shows_the_users_code_not_ours(tmp_path: Path) -> None:
     assert "ImportError: no module named flash_attn_9" in run.stderr
     assert 'broken.py", line 4' in run.stderr
     assert "cli.py" not in run.stderr
+
+
+def test_predict_for_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    init = '{"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 256, "block_size": 64}'
+    run = memtenants(
+        "predict", f"{GPT}:TinyGPT", "--batch-size", "2", "--seq-len", "16", "--init", init,
+        "--target", "cuda", "--gpu", "H100", "--json", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "predicted for CUDA on H100" in run.stdout
+    document = json.loads(out.read_text())
+    after_backward = document["report"]["phases"]["after_backward"]
+    assert after_backward["parts_bytes"]["cublas_workspace"] == 2 * 32 * 2**20
+    assert after_backward["reserved_bytes"] >= after_backward["allocated_bytes"]

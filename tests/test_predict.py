@@ -12,6 +12,7 @@ from conftest import SEED_P, SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS
 from gpt import TinyGPT
 from seed_mlp import SeedMLP, seed_model
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_memtenants import PHASES, TENANTS, dry_run, largest_batch_size, predict, sweep
 
@@ -232,6 +233,7 @@ def test_user_errors_pass_through() -> None:
 
     with pytest.raises(KeyError, match="mine"):
         predict(Broken(), (torch.Size([2, 1024]),))
+    assert _get_current_dispatch_mode() is None  # nothing of ours is left on the dispatch stack
 
 
 def test_tenants_are_the_four() -> None:

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning_memtenants.forecast import parse_bytes
+from lightning_memtenants.cuda_model import resolve_gpu
 from lightning_memtenants.dryrun import PRECISIONS, TARGETS, dry_run, largest_batch_size
+from lightning_memtenants.forecast import parse_bytes
 from lightning_memtenants.report import MiB, format_table
 
 
@@ -77,6 +78,13 @@ def _predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
     if not isinstance(init, dict):
         raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
+    if args.gpu is not None and args.device != "cuda":
+        raise UsageError("--gpu needs --target cuda")
+    if args.device == "cuda":
+        try:
+            resolve_gpu(args.gpu)
+        except ValueError as error:
+            raise UsageError(str(error).replace("gpu must", "--gpu must")) from None
     factory = load_target(args.target)
 
     def build() -> Any:
@@ -98,9 +106,7 @@ def _predict(args: argparse.Namespace) -> int:
     options = {"precision": args.precision, "steps": args.steps, "target": args.device, "gpu": args.gpu}
     prediction = dry_run(build, make_batch(args.batch_size), **options)
     report = prediction.report
-    print(format_table(report))
-    for note in prediction.notes:
-        print(f"- {note}")
+    print(format_table(report))  # the report's notes include the prediction's own
     largest = None
     if budget is not None:
         largest = largest_batch_size(build, make_batch, budget, start=args.batch_size, **options)

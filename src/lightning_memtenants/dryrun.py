@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -22,9 +23,18 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants.census import batch_tensors
+from lightning_memtenants.cuda_model import (
+    HOST_OPS,
+    OUTSIDE_ALLOCATOR,
+    CachingAllocatorModel,
+    CublasWorkspaces,
+    cuda_optimizer_defaults,
+    host_state_bytes,
+    resolve_gpu,
+)
 from lightning_memtenants.forecast import PeakForecast, batch_elements
 from lightning_memtenants.monitor import TenantMonitor
-from lightning_memtenants.report import StepReport
+from lightning_memtenants.report import PhaseReport, StepReport
 from lightning_memtenants.sources import TrackerSource
 
 PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
@@ -118,6 +128,7 @@ def dry_run(
         precision = "bf16-mixed"
         notes.append("16-mixed on the CPU runs as bf16-mixed, as Lightning does there")
     param_dtype, autocast_dtype = PRECISIONS[precision]
+    gpu_target = resolve_gpu(gpu) if target == "cuda" else None
     mode = _fake_mode()
     with mode, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -130,12 +141,38 @@ def dry_run(
         fake_batch = _fake_batch(batch, fake, param_dtype)
         elements, batch_bytes = batch_elements(fake_batch)
         optimizers = _optimizers(fake, optimizer, lightning)
-        monitor = TenantMonitor(fake, optimizers, source=TrackerSource("cpu", scan=False), warn=_raise)
+        if gpu_target is None:
+            source = TrackerSource("cpu", scan=False)
+        else:  # CUDA modelled on the CPU: fake CUDA tensors cannot go through autograd on a CPU-only build
+            label = f"predicted for CUDA ({gpu_target.name}): fake tensors and a model of the caching allocator"
+            source = TrackerSource("cpu", scan=False, host_ops=HOST_OPS, label=label, allocator=CachingAllocatorModel())
+        monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise)
+        threads: Any = contextlib.nullcontext()
+        if gpu_target is not None:
+            threads = CublasWorkspaces(source.tracker, gpu_target.workspace_bytes())
+            monitor.parts["cublas_workspace"] = lambda: threads.bytes
+            monitor.parts["allocator_rounding"] = lambda: source.tracker.rounding_bytes
+            notes.append(
+                f"predicted for CUDA on {gpu_target.name} (compute capability {gpu_target.capability[0]}."
+                f"{gpu_target.capability[1]}): blocks rounded to 512 bytes, a cuBLAS workspace of"
+                f" {threads.workspace_bytes:,} bytes per thread that multiplies matrices"
+            )
+            for opt in optimizers:
+                notes.extend(cuda_optimizer_defaults(opt))
+            notes.append(OUTSIDE_ALLOCATOR)
+        monitor.notes.extend(notes)
         forward = _forward_context(param_dtype, autocast_dtype)
         reports = []
-        for index in range(steps):
-            reports.append(_step(fake, fake_batch, index, optimizers, monitor, forward, loss_fn, lightning))
-        monitor.close()
+        try:
+            with threads:
+                for index in range(steps):
+                    reports.append(
+                        _step(fake, fake_batch, index, optimizers, monitor, forward, loss_fn, lightning, threads)
+                    )
+        finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
+            monitor.close()
+        if gpu_target is not None:
+            reports = [_without_host_state(report, optimizers) for report in reports]
     return Prediction(reports, elements, batch_bytes, _leading_size(fake_batch), notes)
 
 
@@ -251,6 +288,8 @@ def _validate(
         raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
     if gpu is not None and target != "cuda":
         raise ValueError(f"gpu names a CUDA architecture and needs target='cuda', got target={target!r}")
+    if target == "cuda":
+        resolve_gpu(gpu)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
     if optimizer is not None and not callable(optimizer):
@@ -267,7 +306,9 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
-def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
+def _fake_module(
+    model: ModelArg, mode: Any, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied."""
     if not isinstance(model, nn.Module):
         built = model()
@@ -287,41 +328,74 @@ def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -
                 if attached is not None:
                     memo[id(attached)] = None
         built = copy.deepcopy(model, memo)
-    if dtype is not None:
-        _cast(built, dtype)
+    if dtype is not None or (device is not None and device.type != "cpu"):
+        _cast(built, dtype, device)
     return built
 
 
-def _cast(module: nn.Module, dtype: torch.dtype) -> None:
-    """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
+def _cast(module: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None) -> None:
+    """``module.to(device, dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
     done: dict[int, Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for name, tensor in table.items():
-                if tensor is None or not tensor.is_floating_point():
+                if tensor is None:
                     continue
                 if id(tensor) not in done:
-                    cast = tensor.detach().to(dtype)
+                    cast = _moved(tensor.detach(), device, dtype if tensor.is_floating_point() else None)
                     if isinstance(tensor, nn.Parameter):
                         cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
                     done[id(tensor)] = cast
                 table[name] = done[id(tensor)]
 
 
+def _moved(tensor: Tensor, device: torch.device | None, dtype: torch.dtype | None) -> Tensor:
+    """A fake copy on ``device`` in ``dtype``; a CPU-only torch cannot copy to CUDA, but can make fake CUDA tensors."""
+    if device is not None and device.type != tensor.device.type:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype or tensor.dtype, device=device)
+    return tensor.to(dtype=dtype) if dtype is not None else tensor.clone()
+
+
 def _is_lightning(module: nn.Module) -> bool:
     return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
 
 
-def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
+def _without_host_state(report: StepReport, optimizers: list[Optimizer]) -> StepReport:
+    """Take host-side optimizer state (the ``step`` counters) out of the device's tenants and fixed cost."""
+    host = host_state_bytes(optimizers)
+    if not host:
+        return report
+
+    def phase(p: PhaseReport) -> PhaseReport:
+        if p.tenants_bytes["optimizer_state"] < host:
+            return p
+        tenants = {**p.tenants_bytes, "optimizer_state": p.tenants_bytes["optimizer_state"] - host}
+        return dataclasses.replace(p, tenants_bytes=tenants)
+
+    micro = [{name: phase(p) for name, p in batch.items()} for batch in report.micro_batches]
+    phases = {name: phase(p) for name, p in report.phases.items()}
+    tenants = dict(report.tenants_bytes)
+    tenants["optimizer_state"] = max(p.tenants_bytes["optimizer_state"] for mb in micro for p in mb.values())
+    return dataclasses.replace(
+        report,
+        phases=phases,
+        micro_batches=micro,
+        tenants_bytes=tenants,
+        expected_fixed_bytes=report.expected_fixed_bytes - host,
+        measured_fixed_bytes=report.measured_fixed_bytes - host,
+    )
+
+
+def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
         takes_module = len(inspect.signature(batch).parameters) >= 1
         batch = batch(module) if takes_module else batch()
 
     def shape(size: torch.Size) -> Tensor:
-        return torch.empty(size, dtype=dtype or torch.float32)
+        return torch.empty(size, dtype=dtype or torch.float32, device=device)
 
     def tensor(t: Tensor) -> Tensor:
-        fake = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t.detach().clone()
+        fake = torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else _moved(t.detach(), device, None)
         if dtype is not None and fake.is_floating_point():
             fake = fake.to(dtype)  # Lightning's true-precision plugins cast floating inputs too
         return fake
@@ -348,11 +422,13 @@ def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lig
     return list(optimizers)
 
 
-def _forward_context(param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None) -> Callable[[], Any]:
+def _forward_context(
+    param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None, device_type: str = "cpu"
+) -> Callable[[], Any]:
     @contextlib.contextmanager
     def context() -> Iterator[None]:
         if autocast_dtype is not None:
-            with torch.autocast("cpu", dtype=autocast_dtype):
+            with torch.autocast(device_type, dtype=autocast_dtype):
                 yield
         elif param_dtype is not None:
             default = torch.get_default_dtype()
@@ -376,6 +452,7 @@ def _step(
     forward: Callable[[], Any],
     loss_fn: Callable[[nn.Module, Any], Tensor] | None,
     lightning: bool,
+    threads: Any = None,
 ) -> StepReport:
     """One step in Lightning's order: grads are zeroed after the forward, as its closure does."""
     manual = lightning and not getattr(module, "automatic_optimization", True)
@@ -387,7 +464,7 @@ def _step(
     if not lightning:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-    restore = _attach_manual(module, optimizers, monitor) if manual else None
+    restore = _attach_manual(module, optimizers, monitor, threads) if manual else None
     try:
         monitor.phase("batch_start", batch=batch)
         with forward():
@@ -399,11 +476,12 @@ def _step(
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
             monitor.phase("before_backward")
-            loss.backward()
+            _backward(loss, threads)
             monitor.phase("after_backward")
             for opt in optimizers:
                 opt.step()
-            del out, loss
+            if lightning:  # the closure's output goes; a plain loop's ``loss`` lives on to the next step
+                del out, loss
         monitor.phase("batch_end")
         report = monitor.end_step()
     finally:
@@ -415,12 +493,25 @@ def _step(
     return report
 
 
-def _attach_manual(module: nn.Module, optimizers: list[Optimizer], monitor: TenantMonitor) -> Callable[[], None]:
+def _backward(loss: Tensor, threads: Any, *args: Any, **kwargs: Any) -> None:
+    """Backward, on autograd's device thread where a CUDA target keeps one (its own cuBLAS handle)."""
+    if isinstance(threads, CublasWorkspaces):
+        threads.thread = "autograd"
+    try:
+        loss.backward(*args, **kwargs)
+    finally:
+        if isinstance(threads, CublasWorkspaces):
+            threads.thread = "main"
+
+
+def _attach_manual(
+    module: nn.Module, optimizers: list[Optimizer], monitor: TenantMonitor, threads: Any = None
+) -> Callable[[], None]:
     """Give the fake copy what manual optimization asks of a Trainer: its optimizers and a backward."""
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
         monitor.phase("before_backward")
-        loss.backward(*args, **kwargs)
+        _backward(loss, threads, *args, **kwargs)
         monitor.phase("after_backward")
 
     def get_optimizers(use_pl_optimizer: bool = True) -> Any:

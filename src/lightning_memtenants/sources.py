@@ -8,8 +8,9 @@ CPU-only build ``torch.cuda.memory_allocated()`` silently returns 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -145,12 +146,30 @@ class TrackerSource(MemorySource):
     name = "tracker"
     every_step = False
 
-    def __init__(self, device_type: str = "cpu", *, scan: bool = True, limit_bytes: int | None = None) -> None:
-        self.tracker = LiveTensorTracker(device_type, scan=scan, limit_bytes=limit_bytes)
+    def __init__(
+        self,
+        device_type: str = "cpu",
+        *,
+        scan: bool = True,
+        limit_bytes: int | None = None,
+        round_bytes: Callable[[int], int] | None = None,
+        host_ops: frozenset[str] = frozenset(),
+        label: str | None = None,
+        allocator: Any = None,
+    ) -> None:
+        self.label = label
+        self.tracker = LiveTensorTracker(
+            device_type,
+            scan=scan,
+            limit_bytes=limit_bytes,
+            round_bytes=round_bytes,
+            host_ops=host_ops,
+            allocator=allocator,
+        )
 
     @property
     def status(self) -> str:
-        return f"live-tensor tracker ({self.tracker.device_type})"
+        return self.label or f"live-tensor tracker ({self.tracker.device_type})"
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
         self.tracker.start(roots)
@@ -159,7 +178,8 @@ class TrackerSource(MemorySource):
         if not self.tracker.active:
             return Reading()
         allocated, peak = self.tracker.read()
-        return Reading(allocated, peak)
+        allocator = self.tracker.allocator
+        return Reading(allocated, peak, allocator.reserved_bytes if allocator is not None else None)
 
     def pause(self) -> None:
         self.tracker.pause()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import compress
 from typing import Any
 
@@ -48,7 +48,9 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
         before = tracker.current_bytes
-        if isinstance(out, Tensor):
+        if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
+            tracker.host(out)
+        elif isinstance(out, Tensor):
             tracker.add(out)
         elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
             for tensor in out:
@@ -76,15 +78,33 @@ class LiveTensorTracker:
         tracker.peak_bytes  # the true peak of the step, to the byte
     """
 
-    def __init__(self, device_type: str | None = "cpu", *, scan: bool = True, limit_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device_type: str | None = "cpu",
+        *,
+        scan: bool = True,
+        limit_bytes: int | None = None,
+        round_bytes: Callable[[int], int] | None = None,
+        host_ops: frozenset[str] = frozenset(),
+        allocator: Any = None,
+    ) -> None:
         self.device_type = device_type
+        # a model of a caching allocator (``malloc(key, nbytes) -> block bytes``, ``free(key)``)
+        self.allocator = allocator
+        # operators whose outputs stand for host memory in a model of another device, never counted
+        self.host_ops = host_ops
+        self._host: dict[int, weakref.ref] = {}
         self.scan = scan
         self.limit_bytes = limit_bytes
+        # an allocator's rounding (CUDA's 512-byte blocks, say); what it adds is ``rounding_bytes``
+        self.round_bytes = round_bytes
+        self.rounding_bytes = 0
         self._armed = True
         self.current_bytes = 0
         self.peak_bytes = 0
         self._window_peak = 0
         self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._pad: dict[int, int] = {}
         self._mode: _Mode | None = None
         self._scanned = False
 
@@ -113,8 +133,9 @@ class LiveTensorTracker:
         """Stop and forget everything; a later start scans again."""
         self.pause()
         self._live.clear()
+        self._pad.clear()
         self._scanned = False
-        self.current_bytes = self.peak_bytes = self._window_peak = 0
+        self.current_bytes = self.peak_bytes = self._window_peak = self.rounding_bytes = 0
 
     def __enter__(self) -> LiveTensorTracker:
         self.start()
@@ -143,10 +164,29 @@ class LiveTensorTracker:
             for storage in _storages(tensor):
                 self._add_storage(storage)
 
+    def host(self, tensor: Tensor) -> None:
+        """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        host = self._host
+        host[key] = weakref.ref(storage, lambda _: host.pop(key, None))
+
     def _add_storage(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
+        if self._host and key in self._host and self._host[key]() is storage:
+            return
         known = self._live.get(key)
         nbytes = int(storage.nbytes())
+        if self.allocator is not None:
+            if known is not None:
+                self.allocator.free(key)
+            exact, nbytes = nbytes, self.allocator.malloc(key, nbytes)
+            self.rounding_bytes += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
+            self._pad[key] = nbytes - exact
+        elif self.round_bytes is not None:
+            exact, nbytes = nbytes, self.round_bytes(nbytes)
+            self.rounding_bytes += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
+            self._pad[key] = nbytes - exact
         if known is None:
             self._live[key] = (weakref.ref(storage, self._freed_callback(key)), nbytes)
             self._grow(nbytes)
@@ -186,5 +226,8 @@ class LiveTensorTracker:
             entry = live.pop(key, None)
             if entry is not None and live is self._live:
                 self.current_bytes -= entry[1]
+                self.rounding_bytes -= self._pad.pop(key, 0)
+                if self.allocator is not None:
+                    self.allocator.free(key)
 
         return freed

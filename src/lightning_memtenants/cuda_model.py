@@ -1,0 +1,253 @@
+"""What a CUDA device adds to a step that a fake run on the CPU does not see, modelled from its mechanisms.
+
+A prediction for ``target="cuda"`` runs the step on fake CUDA tensors (they need no GPU) and
+adds what CUDA itself does, each as a named part of the report:
+
+- the caching allocator rounds every block up to 512 bytes (``allocator_rounding``);
+- cuBLAS keeps a workspace per handle, in allocated memory, from the first matrix multiply on
+  a thread; autograd runs backward on its own device thread, so training holds two
+  (``cublas_workspace``). The size depends on the architecture and ``CUBLAS_WORKSPACE_CONFIG``;
+- on CUDA an optimizer left to choose runs ``foreach`` (one temporary per parameter list),
+  and its ``step`` counters live on the host unless ``capturable`` or ``fused``.
+
+What is outside ``memory_allocated`` is listed in the notes, never added: the CUDA context, the
+libraries' own code and handles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_memtenants.tracker import LiveTensorTracker
+
+BLOCK_BYTES = 512
+# Compute capability of the GPUs people rent, by the names they rent them under.
+GPUS: dict[str, tuple[int, int]] = {
+    "V100": (7, 0),
+    "T4": (7, 5),
+    "RTX2080TI": (7, 5),
+    "A100": (8, 0),
+    "A30": (8, 0),
+    "A10": (8, 6),
+    "A10G": (8, 6),
+    "A40": (8, 6),
+    "A6000": (8, 6),
+    "RTX3090": (8, 6),
+    "L4": (8, 9),
+    "L40S": (8, 9),
+    "RTX4090": (8, 9),
+    "RTX6000ADA": (8, 9),
+    "H100": (9, 0),
+    "H200": (9, 0),
+    "GH200": (9, 0),
+    "B200": (10, 0),
+    "RTX5090": (12, 0),
+}
+# ``torch.tensor(data)`` makes a CPU tensor unless told otherwise: on a GPU run that is host memory
+HOST_OPS = frozenset({"lift_fresh.default", "lift_fresh_copy.default"})
+# ops that reach cuBLAS (after autograd has decomposed linear and matmul)
+_BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"})
+OUTSIDE_ALLOCATOR = (
+    "outside the allocator, so in neither these figures nor torch.cuda.memory_allocated: the CUDA context"
+    " and the kernels of torch, cuBLAS and cuDNN (typically 300 to 600 MiB per process, by GPU, driver and"
+    " CUDA version; nvidia-smi shows it), and memory that NCCL or other libraries take from the driver directly"
+)
+
+
+@dataclass(frozen=True)
+class CudaTarget:
+    """The GPU a prediction is for: its name and compute capability."""
+
+    name: str
+    capability: tuple[int, int]
+
+    def workspace_bytes(self, environ: Mapping[str, str] | None = None) -> int:
+        return cublas_workspace_bytes(self.capability, environ)
+
+
+def resolve_gpu(gpu: str | None) -> CudaTarget:
+    """A GPU from its name ("A6000", case and spaces ignored) or compute capability ("8.6")."""
+    if gpu is None:
+        return CudaTarget("A100", GPUS["A100"])
+    key = re.sub(r"[\s_-]", "", str(gpu)).upper()
+    if key in GPUS:
+        return CudaTarget(key, GPUS[key])
+    match = re.fullmatch(r"(?:SM_?)?(\d+)\.?(\d)", key)
+    if match:
+        return CudaTarget(f"sm_{match.group(1)}{match.group(2)}", (int(match.group(1)), int(match.group(2))))
+    raise ValueError(f"gpu must be one of {sorted(GPUS)} or a compute capability like '8.6', got {gpu!r}")
+
+
+def round_block(nbytes: int) -> int:
+    """The CUDA caching allocator's block size for a request: at least 512 bytes, in 512-byte steps."""
+    return BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+class _Block:
+    __slots__ = ("free", "next", "prev", "size", "small")
+
+    def __init__(self, size: int, small: bool) -> None:
+        self.size = size
+        self.small = small
+        self.free = True
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class CachingAllocatorModel:
+    """The CUDA caching allocator's block and segment rules, so a prediction has ``memory_reserved`` too.
+
+    Requests are rounded to 512 bytes. Up to 1 MiB they come from 2 MiB segments (the small
+    pool), up to 10 MiB from 20 MiB segments, above that from segments rounded to 2 MiB. A
+    request takes the smallest free block that fits (best fit), split when the rest is worth
+    keeping (512 bytes in the small pool, over 1 MiB in the large); an unsplit block counts whole
+    in ``allocated_bytes``, as CUDA's own counter does. Freed blocks merge with free neighbours;
+    segments are never returned (no ``empty_cache``). One stream, no ``max_split_size_mb``.
+    """
+
+    SMALL_SIZE = 1 << 20
+    SMALL_BUFFER = 2 << 20
+    LARGE_BUFFER = 20 << 20
+    MIN_LARGE_ALLOC = 10 << 20
+    ROUND_LARGE = 2 << 20
+
+    def __init__(self) -> None:
+        self.reserved_bytes = 0
+        self.allocated_bytes = 0
+        self.segments = 0
+        self._free: list[_Block] = []
+        self._taken: dict[int, _Block] = {}
+
+    def malloc(self, key: int, nbytes: int) -> int:
+        """Allocate for ``key``; returns the block's size, which is what ``memory_allocated`` counts."""
+        size = round_block(nbytes)
+        small = size <= self.SMALL_SIZE
+        fits = [b for b in self._free if b.small == small and b.size >= size]
+        if fits:
+            block = min(fits, key=lambda b: b.size)
+            self._free.remove(block)
+        else:
+            block = _Block(self._segment_size(size), small)
+            self.reserved_bytes += block.size
+            self.segments += 1
+        rest = block.size - size
+        if rest >= BLOCK_BYTES if small else rest > self.SMALL_SIZE:
+            remainder = _Block(rest, small)
+            remainder.prev, remainder.next = block, block.next
+            if block.next is not None:
+                block.next.prev = remainder
+            block.next, block.size = remainder, size
+            self._free.append(remainder)
+        block.free = False
+        self._taken[key] = block
+        self.allocated_bytes += block.size
+        return block.size
+
+    def free(self, key: int) -> None:
+        block = self._taken.pop(key, None)
+        if block is None:
+            return
+        self.allocated_bytes -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._free.remove(neighbour)
+                first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
+                first.size += second.size
+                first.next = second.next
+                if second.next is not None:
+                    second.next.prev = first
+                block = first
+        self._free.append(block)
+
+    def _segment_size(self, size: int) -> int:
+        if size <= self.SMALL_SIZE:
+            return self.SMALL_BUFFER
+        if size < self.MIN_LARGE_ALLOC:
+            return self.LARGE_BUFFER
+        return -(-size // self.ROUND_LARGE) * self.ROUND_LARGE
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str] | None = None) -> int:
+    """torch's cuBLAS workspace per handle: ``CUBLAS_WORKSPACE_CONFIG`` (":KiB:COUNT" pairs) or its default.
+
+    The default is 32 MiB on Hopper and Blackwell, else 4096 KiB x 2 + 16 KiB x 8 (8.125 MiB).
+    """
+    environ = os.environ if environ is None else environ
+    config = environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":(\d+):(\d+)", config)
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if capability[0] in (9, 10, 12):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+class CublasWorkspaces(TorchDispatchMode):
+    """Allocates a fake cuBLAS workspace at the first BLAS call of each thread, as torch's handle pool does.
+
+    ``thread`` names the thread the step is on: ``"main"`` for forward and the optimizer,
+    ``"autograd"`` while backward runs (set by the dry run at the phase boundaries).
+    """
+
+    def __init__(self, tracker: LiveTensorTracker, workspace_bytes: int) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.workspace_bytes = workspace_bytes
+        self.thread = "main"
+        self.workspaces: dict[str, torch.Tensor] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(round_block(int(w.untyped_storage().nbytes())) for w in self.workspaces.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.thread not in self.workspaces and func.__name__.split(".")[0] in _BLAS_OPS:
+            workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8)
+            self.workspaces[self.thread] = workspace
+            self.tracker.add(workspace)
+        return func(*args, **(kwargs or {}))
+
+
+def host_state_bytes(optimizers: list[Optimizer]) -> int:
+    """Bytes of ``step`` counters that a GPU run keeps on the host (optimizers not capturable nor fused)."""
+    total = 0
+    for optimizer in optimizers:
+        groups = optimizer.param_groups
+        if "capturable" not in optimizer.defaults or any(g.get("capturable") or g.get("fused") for g in groups):
+            continue
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                total += step.untyped_storage().nbytes()
+    return total
+
+
+def cuda_optimizer_defaults(optimizer: Optimizer) -> list[str]:
+    """Make a fake optimizer choose what it would on a real GPU; the sentences say what was chosen.
+
+    torch picks ``foreach`` on CUDA when the user left ``foreach`` and ``fused`` unset, but it
+    does not recognise fake tensors as CUDA tensors, so the choice is made here instead.
+    """
+    notes = []
+    for group in optimizer.param_groups:
+        if "foreach" in group and group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+            note = f"{type(optimizer).__name__} runs foreach, torch's default on CUDA"
+            if note not in notes:
+                notes.append(note)
+    capturable = any(g.get("capturable") or g.get("fused") for g in optimizer.param_groups)
+    if "capturable" in optimizer.defaults and not capturable:  # the optimizers that keep a step tensor
+        notes.append(
+            f"{type(optimizer).__name__}'s step counters live on the host (not capturable or fused),"
+            " so they are in no CUDA figure"
+        )
+    return notes
