@@ -239,3 +239,24 @@ def test_user_errors_pass_through() -> None:
 def test_tenants_are_the_four() -> None:
     report = predict(seed_model(), torch.Size([2, 1024]), loss_fn=article_loss)
     assert tuple(report.tenants_bytes) == TENANTS
+
+
+def test_tied_weights_stay_tied_and_counted_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(idx))
+
+    def loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return model(idx).logsumexp(-1).mean()
+
+    for precision, size in (("32-true", 4), ("bf16-true", 2)):
+        report = predict(Tied(), torch.zeros(2, 8, dtype=torch.long), loss_fn=loss, precision=precision)
+        assert report.tenants_bytes["weights"] == 100 * 16 * size
+        assert report.tenants_bytes["gradients"] == 100 * 16 * size
+        assert report.measured_fixed_bytes == report.expected_fixed_bytes

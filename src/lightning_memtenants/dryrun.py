@@ -306,9 +306,7 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
-def _fake_module(
-    model: ModelArg, mode: Any, dtype: torch.dtype | None = None, device: torch.device | None = None
-) -> nn.Module:
+def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied."""
     if not isinstance(model, nn.Module):
         built = model()
@@ -328,13 +326,13 @@ def _fake_module(
                 if attached is not None:
                     memo[id(attached)] = None
         built = copy.deepcopy(model, memo)
-    if dtype is not None or (device is not None and device.type != "cpu"):
-        _cast(built, dtype, device)
+    if dtype is not None:
+        _cast(built, dtype)
     return built
 
 
-def _cast(module: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None) -> None:
-    """``module.to(device, dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
     done: dict[int, Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
@@ -342,18 +340,11 @@ def _cast(module: nn.Module, dtype: torch.dtype | None, device: torch.device | N
                 if tensor is None:
                     continue
                 if id(tensor) not in done:
-                    cast = _moved(tensor.detach(), device, dtype if tensor.is_floating_point() else None)
+                    cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
                     if isinstance(tensor, nn.Parameter):
                         cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
                     done[id(tensor)] = cast
                 table[name] = done[id(tensor)]
-
-
-def _moved(tensor: Tensor, device: torch.device | None, dtype: torch.dtype | None) -> Tensor:
-    """A fake copy on ``device`` in ``dtype``; a CPU-only torch cannot copy to CUDA, but can make fake CUDA tensors."""
-    if device is not None and device.type != tensor.device.type:
-        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype or tensor.dtype, device=device)
-    return tensor.to(dtype=dtype) if dtype is not None else tensor.clone()
 
 
 def _is_lightning(module: nn.Module) -> bool:
@@ -386,16 +377,16 @@ def _without_host_state(report: StepReport, optimizers: list[Optimizer]) -> Step
     )
 
 
-def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
         takes_module = len(inspect.signature(batch).parameters) >= 1
         batch = batch(module) if takes_module else batch()
 
     def shape(size: torch.Size) -> Tensor:
-        return torch.empty(size, dtype=dtype or torch.float32, device=device)
+        return torch.empty(size, dtype=dtype or torch.float32)
 
     def tensor(t: Tensor) -> Tensor:
-        fake = torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else _moved(t.detach(), device, None)
+        fake = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t.detach().clone()
         if dtype is not None and fake.is_floating_point():
             fake = fake.to(dtype)  # Lightning's true-precision plugins cast floating inputs too
         return fake
@@ -422,13 +413,11 @@ def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lig
     return list(optimizers)
 
 
-def _forward_context(
-    param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None, device_type: str = "cpu"
-) -> Callable[[], Any]:
+def _forward_context(param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None) -> Callable[[], Any]:
     @contextlib.contextmanager
     def context() -> Iterator[None]:
         if autocast_dtype is not None:
-            with torch.autocast(device_type, dtype=autocast_dtype):
+            with torch.autocast("cpu", dtype=autocast_dtype):
                 yield
         elif param_dtype is not None:
             default = torch.get_default_dtype()
