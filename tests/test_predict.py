@@ -260,3 +260,16 @@ def test_tied_weights_stay_tied_and_counted_once() -> None:
         assert report.tenants_bytes["weights"] == 100 * 16 * size
         assert report.tenants_bytes["gradients"] == 100 * 16 * size
         assert report.measured_fixed_bytes == report.expected_fixed_bytes
+
+
+def test_a_step_that_logs_and_reads_trainer_state_runs_without_a_trainer(recwarn: pytest.WarningsRecorder) -> None:
+    class Logging(SeedMLP):
+        def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, prog_bar=True)
+            self.log_dict({"epoch": float(self.current_epoch), "step": float(self.global_step)})
+            return loss
+
+    report = predict(Logging(), (torch.Size([4, 1024]),))
+    assert report.tenants_bytes["activations"] == 4 * SEED_SAVED_PER_SAMPLE
+    assert not [w for w in recwarn if "self.log" in str(w.message)]
