@@ -8,6 +8,7 @@ A prediction holds none of it, so the test subtracts it from the real run's allo
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 from pathlib import Path
@@ -32,12 +33,14 @@ class HostBytes(L.Callback):
     """Bytes of every CPU tensor alive at the start of training, less the model's own."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        gc.collect()  # an earlier run's leftovers must not be counted here and freed during the step
         seen = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
         self.bytes = unique_storage_bytes((t for t in _live_tensors() if t.device.type == "cpu"), seen)
 
 
 def run(kind: str, batch_size: int) -> dict:
     L.seed_everything(0, verbose=False)
+    kind, _, precision = kind.partition("@")
     if kind == "seed":
         module: L.LightningModule = SeedMLP()
         loader = seed_loader(batch_size, 1)
@@ -47,9 +50,10 @@ def run(kind: str, batch_size: int) -> dict:
         loader = DataLoader(TensorDataset(idx, targets), batch_size=batch_size)
     host = HostBytes()
     memtenants = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
-    make_trainer([host, memtenants], steps=1, logger=False).fit(module, loader)
+    make_trainer([host, memtenants], steps=1, logger=False, precision=precision or "32-true").fit(module, loader)
     report = memtenants.latest
     assert report is not None
+    kind = f"{kind}@{precision}" if precision else kind
     return {"kind": kind, "batch_size": batch_size, "host_bytes": host.bytes, "report": dataclasses.asdict(report)}
 
 

@@ -26,7 +26,7 @@ def article_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def real_runs() -> dict[tuple[str, int], dict]:
     """Real one-step Trainer runs on the CPU, in a fresh process so the tracker sees only them."""
-    specs = ["seed:8", "seed:64", "gpt:4", "gpt:8"]
+    specs = ["seed:8", "seed:64", "gpt:4", "gpt:8", "seed@bf16-mixed:8", "gpt@bf16-mixed:4"]
     out = subprocess.run(
         [sys.executable, str(HERE / "predict_check.py"), *specs], capture_output=True, text=True, timeout=300
     )
@@ -39,13 +39,18 @@ def small_gpt() -> TinyGPT:
     return TinyGPT(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=64)
 
 
-@pytest.mark.parametrize(("kind", "batch_size"), [("seed", 8), ("seed", 64), ("gpt", 4), ("gpt", 8)])
+@pytest.mark.parametrize(
+    ("kind", "batch_size"),
+    [("seed", 8), ("seed", 64), ("gpt", 4), ("gpt", 8), ("seed@bf16-mixed", 8), ("gpt@bf16-mixed", 4)],
+)
 def test_prediction_equals_a_real_cpu_run_to_the_byte(real_runs: dict, kind: str, batch_size: int) -> None:
     real = real_runs[(kind, batch_size)]
-    if kind == "seed":
-        predicted = predict(SeedMLP(), (torch.Size([batch_size, 1024]),))
+    model, _, precision = kind.partition("@")
+    precision = precision or "32-true"
+    if model == "seed":
+        predicted = predict(SeedMLP(), (torch.Size([batch_size, 1024]),), precision=precision)
     else:
-        predicted = predict(small_gpt(), lambda m: m.example_batch(batch_size, 32))
+        predicted = predict(small_gpt(), lambda m: m.example_batch(batch_size, 32), precision=precision)
     host = real["host_bytes"]
     report = real["report"]
     assert predicted.tenants_bytes == report["tenants_bytes"]
@@ -54,6 +59,7 @@ def test_prediction_equals_a_real_cpu_run_to_the_byte(real_runs: dict, kind: str
         assert mine.tenants_bytes == phase["tenants_bytes"], name
         assert mine.allocated_bytes == phase["allocated_bytes"] - host, name
         assert mine.window_peak_bytes == phase["window_peak_bytes"] - host, name
+        assert mine.parts_bytes == phase["parts_bytes"], name  # the autocast cache under bf16-mixed
     assert predicted.peak_bytes == report["peak_bytes"] - host
     assert predicted.peak_phase == report["peak_phase"]
     assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]

@@ -161,7 +161,7 @@ def dry_run(
                 notes.extend(cuda_optimizer_defaults(opt))
             notes.append(OUTSIDE_ALLOCATOR)
         monitor.notes.extend(notes)
-        forward = _forward_context(param_dtype, autocast_dtype)
+        forward = _forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
         try:
             with threads:
@@ -413,11 +413,15 @@ def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lig
     return list(optimizers)
 
 
-def _forward_context(param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None) -> Callable[[], Any]:
+def _forward_context(
+    param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None, *, cache: bool = True
+) -> Callable[[], Any]:
+    """The forward's precision context; Lightning's mixed-precision plugin runs autocast without its cache."""
+
     @contextlib.contextmanager
     def context() -> Iterator[None]:
         if autocast_dtype is not None:
-            with torch.autocast("cpu", dtype=autocast_dtype):
+            with torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=cache):
                 yield
         elif param_dtype is not None:
             default = torch.get_default_dtype()
