@@ -63,6 +63,7 @@ def speed(repeats: int) -> list[tuple[str, float, float]]:
         ("seed MLP, batch 256", SeedMLP, (torch.randn(256, 1024),)),
         ("seed MLP, batch 2048", SeedMLP, (torch.randn(2048, 1024),)),
         ("GPT 4x256, batch 8 x 512", gpt, gpt().example_batch(8, 512)),
+        ("GPT 4x256, batch 32 x 512", gpt, gpt().example_batch(32, 512)),
     ]
     rows = []
     for name, make, batch in cases:
