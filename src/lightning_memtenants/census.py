@@ -152,7 +152,7 @@ class ActivationTracker:
 
     def cast_bytes(self) -> int:
         """Bytes of half copies of parameters (autocast's casts) that autograd still holds for backward."""
-        return _live(self._casts, frozenset())
+        return _live(self._casts, frozenset()) if self._casts else 0
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if self.error is None:

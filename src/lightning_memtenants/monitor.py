@@ -267,6 +267,8 @@ class TenantMonitor:
         return result[0], list(result[1])
 
     def _explain_peak(self, phases: dict[str, PhaseReport], peak_phase: str | None, peak: int | None) -> str:
+        if peak is None:  # an unmeasured step: nothing to explain, and the per-optimizer work is skipped
+            return explain_peak(phases, None, None, largest_parameter_bytes=0, optimizer="")
         sizes = [t.numel() * t.element_size() for t in self.counter.tensors if t.requires_grad]
         return explain_peak(
             phases,
