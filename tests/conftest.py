@@ -93,3 +93,17 @@ def adam_that_fails(params: Any, should_fail: Any, error: BaseException) -> torc
             return loss
 
     return Adam(params)
+
+
+def plain_step(monitor: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> Any:
+    """One step of the article's loop (``model(x).pow(2).mean()``) with the monitor's five phases."""
+    monitor.phase("batch_start", batch=x)
+    loss = model(x).pow(2).mean()
+    monitor.phase("before_backward")
+    loss.backward()
+    monitor.phase("after_backward")
+    monitor.phase("before_optimizer_step")
+    optimizer.step()
+    monitor.phase("batch_end")
+    optimizer.zero_grad()
+    return monitor.end_step(), loss.item()

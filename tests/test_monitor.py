@@ -2,23 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS
+from conftest import SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS, plain_step
 from seed_mlp import seed_model
 
 from lightning_memtenants import PHASES, TenantMonitor
-
-
-def plain_step(monitor: TenantMonitor, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor):
-    monitor.phase("batch_start", batch=x)
-    loss = model(x).pow(2).mean()
-    monitor.phase("before_backward")
-    loss.backward()
-    monitor.phase("after_backward")
-    monitor.phase("before_optimizer_step")
-    optimizer.step()
-    monitor.phase("batch_end")
-    optimizer.zero_grad()
-    return monitor.end_step(), loss.item()
 
 
 def test_plain_loop_seed_model_exact() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SEED_P, SEED_WEIGHTS
+from conftest import SEED_P, SEED_WEIGHTS, plain_step
 from seed_mlp import seed_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -139,17 +139,7 @@ def test_peak_explanation_names_the_implementation(implementation: str) -> None:
     optimizer = torch.optim.Adam(model.parameters(), **IMPLEMENTATIONS[implementation])
     monitor = TenantMonitor(model, [optimizer], source="auto")
     for _ in range(2):
-        x = torch.randn(2, 64)
-        monitor.phase("batch_start", batch=x)
-        loss = model(x).pow(2).mean()
-        monitor.phase("before_backward")
-        loss.backward()
-        monitor.phase("after_backward")
-        monitor.phase("before_optimizer_step")
-        optimizer.step()
-        monitor.phase("batch_end")
-        report = monitor.end_step()
-        optimizer.zero_grad()
+        report, _ = plain_step(monitor, model, optimizer, torch.randn(2, 64))
     assert f"Adam ({implementation})" in report.peak_explanation
     if implementation == "foreach":
         total = sum(p.numel() * 4 for p in model.parameters())

@@ -8,7 +8,7 @@ CPU-only build ``torch.cuda.memory_allocated()`` silently returns 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +152,6 @@ class TrackerSource(MemorySource):
         *,
         scan: bool = True,
         limit_bytes: int | None = None,
-        round_bytes: Callable[[int], int] | None = None,
         host_ops: frozenset[str] = frozenset(),
         label: str | None = None,
         allocator: Any = None,
@@ -162,7 +161,6 @@ class TrackerSource(MemorySource):
             device_type,
             scan=scan,
             limit_bytes=limit_bytes,
-            round_bytes=round_bytes,
             host_ops=host_ops,
             allocator=allocator,
         )

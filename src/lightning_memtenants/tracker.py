@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from itertools import compress
 from typing import Any
 
@@ -84,7 +84,6 @@ class LiveTensorTracker:
         *,
         scan: bool = True,
         limit_bytes: int | None = None,
-        round_bytes: Callable[[int], int] | None = None,
         host_ops: frozenset[str] = frozenset(),
         allocator: Any = None,
     ) -> None:
@@ -96,8 +95,7 @@ class LiveTensorTracker:
         self._host: dict[int, weakref.ref] = {}
         self.scan = scan
         self.limit_bytes = limit_bytes
-        # an allocator's rounding (CUDA's 512-byte blocks, say); what it adds is ``rounding_bytes``
-        self.round_bytes = round_bytes
+        # what the allocator model adds above the tensors' own bytes (its blocks' rounding)
         self.rounding_bytes = 0
         self._armed = True
         self.current_bytes = 0
@@ -181,10 +179,6 @@ class LiveTensorTracker:
             if known is not None:
                 self.allocator.free(key)
             exact, nbytes = nbytes, self.allocator.malloc(key, nbytes)
-            self.rounding_bytes += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
-            self._pad[key] = nbytes - exact
-        elif self.round_bytes is not None:
-            exact, nbytes = nbytes, self.round_bytes(nbytes)
             self.rounding_bytes += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
             self._pad[key] = nbytes - exact
         if known is None:
