@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -124,6 +125,13 @@ def main() -> None:
     if mode == "ddp":
         results["zero"] = summary(*fit(zero=True, gradient_as_bucket_view=True))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
+    # Lightning leaves the gloo group and its TCP store up; C++ teardown at interpreter exit aborts some runs
+    # ("terminate called without an active exception"), so both ranks leave together and skip that teardown.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
