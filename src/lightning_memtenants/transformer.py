@@ -3,8 +3,8 @@
 Their count for one layer, with 16-bit activations and dropout, is ``s*b*h*(34 + 5*a*s/h)``
 bytes (sequence s, batch b, hidden h, heads a). Real models differ for known reasons: fused
 attention keeps no ``a*s*s`` score matrix, fp32 doubles every 2-byte term, and without
-dropout there are no masks. The check measures each layer under fake tensors and says
-which of these reasons apply, with their bytes.
+dropout there are no masks. The check measures each layer under fake tensors and sorts
+every saved tensor into one of the formula's terms, so each difference has its bytes.
 """
 
 from __future__ import annotations
@@ -36,9 +36,31 @@ def korthikanti_bytes(seq_len: int, batch_size: int, hidden: int, heads: int) ->
     return 34 * seq_len * batch_size * hidden + 5 * heads * seq_len * seq_len * batch_size
 
 
+@dataclass(frozen=True)
+class Term:
+    """One term of the formula beside the bytes a layer saved for it, and why they differ."""
+
+    name: str
+    formula_bytes: int
+    measured_bytes: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class _Saved:
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    made_by: str  # "dropout", "weight cast" or ""
+
+
 @dataclass
 class ActivationCheck:
-    """Per-layer activations beside the formula, and the reasons they differ."""
+    """Per-layer activations beside the formula, term by term.
+
+    Each saved tensor of a layer is sorted into the formula's terms by its shape and by the
+    operator that made it (dropout masks), so the terms' measured bytes add up to the layer's.
+    """
 
     per_layer_bytes: list[int]
     formula_bytes: int
@@ -46,8 +68,7 @@ class ActivationCheck:
     batch_size: int
     hidden: int
     heads: int
-    reasons: list[str] = field(default_factory=list)
-    explained_bytes: int = 0
+    terms: list[Term] = field(default_factory=list)
 
     @property
     def mean_layer_bytes(self) -> float:
@@ -58,24 +79,51 @@ class ActivationCheck:
         """Measured over the formula, for the mean layer."""
         return self.mean_layer_bytes / self.formula_bytes
 
+    @property
+    def explained_bytes(self) -> int:
+        """The mean layer's bytes that fall into a term of the formula (everything but ``other``)."""
+        return sum(t.measured_bytes for t in self.terms if t.name != "other")
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why each term differs from the formula, in words."""
+        return [f"{t.name}: {t.detail}" for t in self.terms]
+
     def summary(self) -> str:
         lines = [
             f"activations per layer: measured {self.mean_layer_bytes / MiB:.2f} MiB, Korthikanti et al."
             f" s*b*h*(34 + 5*a*s/h) = {self.formula_bytes / MiB:.2f} MiB"
             f" (s={self.seq_len}, b={self.batch_size}, h={self.hidden}, a={self.heads}); ratio {self.ratio:.2f}",
+            f"{'term':<24}{'formula MiB':>12}{'measured MiB':>14}  why",
         ]
-        lines.extend(f"- {reason}" for reason in self.reasons)
+        for t in self.terms:
+            lines.append(f"{t.name:<24}{t.formula_bytes / MiB:>12.3f}{t.measured_bytes / MiB:>14.3f}  {t.detail}")
         return "\n".join(lines)
 
 
 class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Records operator names, the masks dropout draws and the casts of weights autocast makes.
+
+    The tensors are kept (fake, so free) so that their storages' ids stay unique.
+    """
+
+    def __init__(self, weights: set[int]) -> None:
         super().__init__()
         self.names: set[str] = set()
+        self.weights = weights
+        self.made: dict[int, tuple[str, Tensor]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.add(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        self.names.add(name)
+        out = func(*args, **(kwargs or {}))
+        if name == "bernoulli_":
+            self.made[storage_key(args[0])] = ("dropout", args[0])
+        elif name == "native_dropout":
+            self.made[storage_key(out[1])] = ("dropout", out[1])
+        elif name == "_to_copy" and storage_key(args[0]) in self.weights:
+            self.made[storage_key(out)] = ("weight cast", out)
+        return out
 
 
 def activation_check(
@@ -119,10 +167,11 @@ def activation_check(
         first = batch_tensors(fake_batch)[0]
         batch_size, seq_len = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
         forward = _forward_context(param_dtype, autocast_dtype)
-        per_layer, dtypes, shapes, ops = _measure(fake, fake_batch, blocks, forward, loss_fn)
+        saved, ops = _measure(fake, fake_batch, blocks, forward, loss_fn)
     formula = korthikanti_bytes(seq_len, batch_size, hidden, heads)
+    per_layer = [sum(t.nbytes for t in layer) for layer in saved]
     check = ActivationCheck(per_layer, formula, seq_len, batch_size, hidden, heads)
-    check.reasons, check.explained_bytes = _reasons(check, dtypes, shapes, ops, blocks[0], fake)
+    check.terms = _terms(saved, check, ops.names)
     return check
 
 
@@ -132,23 +181,22 @@ def _measure(
     blocks: list[nn.Module],
     forward: Callable[[], Any],
     loss_fn: Callable[[nn.Module, Any], Tensor] | None,
-) -> tuple[list[int], dict[torch.dtype, int], list[tuple[int, ...]], set[str]]:
-    """Bytes of new storages saved for backward while each block runs; parameters and the batch excluded."""
-    excluded = {storage_key(t) for t in (*module.parameters(), *module.buffers(), *batch_tensors(batch))}
+) -> tuple[list[list[_Saved]], _OpNames]:
+    """The new storages saved for backward while each block runs; parameters and the batch excluded."""
+    weights = {storage_key(t) for t in (*module.parameters(), *module.buffers())}
+    excluded = weights | {storage_key(t) for t in batch_tensors(batch)}
     seen: set[int] = set()
     current: list[int] = []
-    per_layer = [0] * len(blocks)
-    dtypes: dict[torch.dtype, int] = {}
-    shapes: list[tuple[int, ...]] = []
+    saved: list[list[_Saved]] = [[] for _ in blocks]
+    ops = _OpNames(weights)
 
     def pack(tensor: Tensor) -> Tensor:
         key = storage_key(tensor)
         if current and key not in excluded and key not in seen:
             seen.add(key)
+            made_by = ops.made[key][0] if key in ops.made else "dropout" if tensor.dtype == torch.bool else ""
             nbytes = int(tensor.untyped_storage().nbytes())
-            per_layer[current[-1]] += nbytes
-            dtypes[tensor.dtype] = dtypes.get(tensor.dtype, 0) + nbytes
-            shapes.append(tuple(tensor.shape))
+            saved[current[-1]].append(_Saved(nbytes, tensor.dtype, tuple(tensor.shape), made_by))
         return tensor
 
     def enter(index: int) -> Callable[..., None]:
@@ -161,7 +209,6 @@ def _measure(
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(enter(i)))
         handles.append(block.register_forward_hook(leave))
-    ops = _OpNames()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops, forward():
             if loss_fn is not None:
@@ -173,59 +220,103 @@ def _measure(
     finally:
         for handle in handles:
             handle.remove()
-    return per_layer, dtypes, shapes, ops.names
+    return saved, ops
 
 
-def _reasons(
-    check: ActivationCheck,
-    dtypes: dict[torch.dtype, int],
-    shapes: list[tuple[int, ...]],
-    ops: set[str],
-    block: nn.Module,
-    module: nn.Module,
-) -> tuple[list[str], int]:
-    """The reasons measured and formula differ, and the formula adjusted by each of them."""
+_TERMS = (
+    "hidden activations",
+    "dropout masks",
+    "attention scores",
+    "attention mask",
+    "per-token values",
+    "weight casts",
+    "other",
+)
+
+
+def _term_of(saved: _Saved, s: int, b: int, h: int, a: int) -> str:
+    """Which of the formula's terms a saved tensor belongs to, by its shape and its maker."""
+    elements = saved.nbytes // saved.dtype.itemsize
+    scores = saved.shape[-2:] == (s, s) and elements % (a * s * s * b) == 0
+    if saved.made_by == "weight cast":
+        return "weight casts"
+    if saved.made_by == "dropout" and (scores or elements % (s * b * h) == 0):
+        return "attention mask" if scores else "dropout masks"
+    if scores:
+        return "attention scores"
+    if elements % (s * b * h) == 0:
+        return "hidden activations"
+    if elements % (s * b) == 0:
+        return "per-token values"
+    return "other"
+
+
+def _dtypes(items: list[_Saved], unit: int) -> str:
+    """``12 float32, 4 bfloat16``: how many ``unit``-sized tensors' worth of each dtype."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for item in items:
+        by_dtype[item.dtype] = by_dtype.get(item.dtype, 0) + item.nbytes // item.dtype.itemsize
+    return ", ".join(f"{_count(n / unit)} {str(d).removeprefix('torch.')}" for d, n in by_dtype.items())
+
+
+def _count(value: float) -> str:
+    return f"{round(value):,}" if value == round(value) else f"{value:.3g}"
+
+
+def _terms(saved: list[list[_Saved]], check: ActivationCheck, ops: set[str]) -> list[Term]:
+    """The formula split into its terms, each beside what the mean layer saved for it."""
     s, b, h, a = check.seq_len, check.batch_size, check.hidden, check.heads
-    sbh = s * b * h
-    reasons = []
-    total = sum(dtypes.values()) or 1
-    itemsize = max(dtypes, key=lambda d: dtypes[d]).itemsize if dtypes else 2
-    explained = 32 * sbh * itemsize // 2
-    if itemsize != 2:
-        share = sum(n for d, n in dtypes.items() if d.itemsize == itemsize) / total
-        reasons.append(
-            f"{share:.0%} of the saved bytes are {itemsize}-byte floats where the formula assumes 2 bytes:"
-            f" its 32*s*b*h bytes of tensors ({32 * sbh / MiB:.2f} MiB) become {explained / MiB:.2f} MiB"
-        )
-    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-    if dropout:
-        explained += 2 * sbh
-    else:
-        reasons.append(
-            f"no dropout: the formula's 2*s*b*h bytes of dropout masks ({2 * sbh / MiB:.2f} MiB) are not kept"
-        )
+    sbh, assb = s * b * h, a * s * s * b
+    groups: dict[str, list[_Saved]] = {name: [] for name in _TERMS}
+    for layer in saved:
+        for item in layer:
+            groups[_term_of(item, s, b, h, a)].append(item)
+    layers = max(len(saved), 1)
+    measured = {name: round(sum(t.nbytes for t in items) / layers) for name, items in groups.items()}
     fused = sorted(name for name in ops if name.startswith(_FUSED_ATTENTION))
-    if any(len(shape) == 4 and shape[-2:] == (s, s) for shape in shapes):
-        explained += 4 * a * s * s * b * itemsize // 2 + (a * s * s * b if dropout else 0)
-    else:
-        how = f"fused attention ({', '.join(fused)})" if fused else "the attention implementation"
-        reasons.append(
-            f"{how} stores no a*s*s score matrix, softmax or attention-dropout mask:"
-            f" the formula's 5*a*s*s*b term ({5 * a * s * s * b / MiB:.2f} MiB per layer) is absent"
-        )
-    if fused:
-        explained += 4 * a * s * b
-        reasons.append(f"fused attention keeps a 4-byte log-sum-exp per head and token: {4 * a * s * b:,} bytes")
-    norms = sum(isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for m in block.modules())
-    if norms:
-        stats = norms * 2 * min(itemsize, 4) * s * b
-        explained += stats
-        reasons.append(f"{norms} norm layer(s) keep a mean and an inverse deviation per token: {stats:,} bytes")
-    reasons.append(
-        f"with these adjustments the formula gives {explained:,} bytes per layer;"
-        f" measured {round(check.mean_layer_bytes):,} ({check.mean_layer_bytes / explained:.3f}x)"
+    attention = f"fused attention ({', '.join(fused)})" if fused else "this attention"
+
+    hidden = groups["hidden activations"]
+    detail = f"{_dtypes(hidden, sbh * layers) or 'no'} values of s*b*h; the formula counts 16 at 2 bytes"
+    if len({t.dtype for t in hidden}) > 1:
+        detail += "; autocast runs each operator in its own dtype, so both are kept"
+    masks = groups["dropout masks"]
+    mask_detail = (
+        f"{_dtypes(masks, sbh * layers)} masks of s*b*h; the formula counts 2 at 1 byte"
+        if masks
+        else "no dropout in this layer: the formula's 2 one-byte masks are not kept"
     )
-    return reasons, explained
+    scores = groups["attention scores"]
+    score_detail = (
+        f"{_dtypes(scores, assb * layers)} tensors of a*s*s*b; the formula counts 2 (scores, softmax) at 2 bytes"
+        if scores
+        else f"{attention} keeps no a*s*s score matrix or softmax"
+    )
+    attn_mask = groups["attention mask"]
+    attn_detail = (
+        f"{_dtypes(attn_mask, assb * layers)} masks of a*s*s*b; the formula counts 1 at 1 byte"
+        if attn_mask
+        else f"{attention} keeps no attention-dropout mask"
+    )
+    tokens = groups["per-token values"]
+    token_detail = f"{_dtypes(tokens, s * b * layers)} values per token (norm statistics, attention log-sum-exp)"
+    token_detail += "; not in the formula"
+    terms = [
+        Term("hidden activations", 32 * sbh, measured["hidden activations"], detail),
+        Term("dropout masks", 2 * sbh, measured["dropout masks"], mask_detail),
+        Term("attention scores", 4 * assb, measured["attention scores"], score_detail),
+        Term("attention mask", assb, measured["attention mask"], attn_detail),
+        Term("per-token values", 0, measured["per-token values"], token_detail if tokens else "none saved"),
+    ]
+    if groups["weight casts"]:
+        casts = groups["weight casts"]
+        detail = f"autocast's {_dtypes(casts, layers)} values of weights cast for matmuls; not in the formula"
+        terms.append(Term("weight casts", 0, measured["weight casts"], detail))
+    if groups["other"]:
+        shapes = sorted({(t.shape, str(t.dtype).removeprefix("torch.")) for t in groups["other"]})
+        listed = "; ".join(f"{dtype} {list(shape)}" for shape, dtype in shapes[:4])
+        terms.append(Term("other", 0, measured["other"], f"not of a formula term's shape: {listed}"))
+    return terms
 
 
 def _longest_module_list(module: nn.Module) -> list[nn.Module]:
