@@ -102,7 +102,16 @@ def summary(cb: MemoryTenantsCallback, logger: RecordingLogger) -> dict[str, Any
         "measured_fixed": report.measured_fixed_bytes,
         "fixed_notes": report.fixed_cost_notes,
         "logged": logger.logged,
+        "measured": _measured(cb.latest_measured),
     }
+
+
+def _measured(report: Any) -> dict[str, Any] | None:
+    """The last step the tracker measured: allocated, window peak and other bytes per phase, and the peak's sentence."""
+    if report is None:
+        return None
+    phases = {k: [v.allocated_bytes, v.window_peak_bytes, v.other_bytes] for k, v in report.phases.items()}
+    return {"phases": phases, "explanation": report.peak_explanation}
 
 
 def main() -> None:

@@ -125,3 +125,13 @@ def test_fsdp2_on_cpu_holds_16p_over_n_per_rank(tmp_path: Path) -> None:
         assert result["notes"][0].startswith("FSDP: weights, gradients and optimizer state are this rank's shards")
         # the gathered parameters are freed again after forward: only the activations remain at its end
         assert result["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4
+        # FSDP2 frees and re-grows gathered parameters by resizing storages; the tracker follows, so at
+        # batch start "other" is only the data set (64 x 32 fp32), the batch (8 x 32) and a few scalars
+        phases = result["measured"]["phases"]
+        assert 64 * 32 * 4 + 8 * 32 * 4 <= phases["batch_start"][2] <= 64 * 32 * 4 + 8 * 32 * 4 + 16
+        # the forward window peaks while the first Linear (32 x 64 + 64 = 2,112 fp32 numbers) is gathered:
+        # FSDP2's all-gather buffer and the unsharded parameters copied out of it, plus its output
+        unit = (32 * 64 + 64) * 4
+        assert phases["before_backward"][1] - phases["batch_start"][0] == 2 * unit + (2 + 2 * rank) * 64 * 4
+        assert "mostly FSDP's gathered parameters: the largest unit is" in result["measured"]["explanation"]
+        assert f"the largest unit is {unit:,} bytes unsharded" in result["notes"][0]

@@ -109,3 +109,21 @@ def test_other_devices_are_ignored() -> None:
         a = torch.zeros(100)
     assert tracker.current_bytes == 0
     del a
+
+
+def test_storage_resizes_are_followed_and_the_hook_is_removed() -> None:
+    # FSDP2 frees a gathered parameter with storage.resize_(0) and re-grows it, outside the dispatcher
+    tracker = fresh()
+    tracker.start()
+    gathered = torch.ones(256)
+    tracker.read()
+    gathered.untyped_storage().resize_(0)
+    assert tracker.read() == (0, 256 * F32)
+    gathered.untyped_storage().resize_(512 * F32)
+    assert tracker.read() == (512 * F32, 512 * F32)
+    tracker.pause()
+    gathered.untyped_storage().resize_(0)  # unseen while paused; the next start re-reads every size
+    tracker.start()
+    assert tracker.read() == (0, 0)
+    tracker.stop()
+    assert "resize_" not in torch.UntypedStorage.__dict__

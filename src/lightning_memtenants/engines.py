@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memtenants.formulas import grad_scaler_bytes
+from lightning_memtenants.formulas import fsdp_gathered_bytes, grad_scaler_bytes
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -64,10 +64,17 @@ def sharding_notes(module: nn.Module, world_size: int) -> list[str]:
     """The FSDP sentence, where parameters are DTensors (FSDP2 through ModelParallelStrategy, or FSDP on GPU)."""
     if not any(hasattr(p, "_local_tensor") for p in module.parameters()):
         return []
+    gathered = fsdp_gathered_bytes(module)
     return [
         "FSDP: weights, gradients and optimizer state are this rank's shards (DTensor local tensors, about"
         f" 1/{world_size} of each: 16P/N for fp32 Adam); the unsharded parameters are gathered one unit at a time"
         " inside forward and backward, so they show in the window peaks, not at the phase boundaries"
+        + (
+            f"; the largest unit is {gathered:,} bytes unsharded, held about twice while gathered (FSDP2's"
+            " all-gather buffer and the parameters copied out of it)"
+            if gathered
+            else ""
+        )
     ]
 
 

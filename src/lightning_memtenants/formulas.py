@@ -360,6 +360,25 @@ def fsdp_fixed_cost_bytes(
     return sharded_state_bytes(per_param * params, world_size) + gathered
 
 
+def fsdp_gathered_bytes(module: nn.Module) -> int:
+    """Unsharded bytes of the largest FSDP2 unit (a ``fully_shard`` module): what one all-gather brings in.
+
+    A unit owns the parameters under it that no nested unit owns; a DTensor's ``numel`` is its global size.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return 0
+    largest = 0
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+        own = sum(p.numel() * p.element_size() for p in unit.parameters() if id(p) not in nested)
+        largest = max(largest, own)
+    return largest
+
+
 def deepspeed_zero_bytes(stage: int, params: int, world_size: int, *, largest_layer_params: int = 0) -> int:
     """Model states per GPU under DeepSpeed ZeRO with fp16 mixed-precision Adam (the ZeRO paper, K = 12).
 

@@ -22,6 +22,7 @@ from lightning_memtenants.census import (
 from lightning_memtenants.formulas import (
     expected_fixed_cost,
     explain_fixed_cost,
+    fsdp_gathered_bytes,
     local_optimizer,
     optimizer_implementation,
     step_temporaries_bytes,
@@ -277,6 +278,7 @@ class TenantMonitor:
             largest_parameter_bytes=max(sizes, default=0),
             optimizer=describe_optimizers(self.optimizers),
             expected_temporaries_bytes=sum(step_temporaries_bytes(o) for o in self.optimizers),
+            gathered_bytes=fsdp_gathered_bytes(self.module),
         )
 
     def _disable(self, part: str, error: BaseException) -> None:

@@ -188,6 +188,13 @@ def _cell(value: int | None) -> str:
     return "-" if value is None else f"{value / MiB:.2f}"
 
 
+def _at_end(phase: PhaseReport) -> str:
+    """The activations and gradients at a phase boundary, in words."""
+    tenants = phase.tenants_bytes
+    activations, gradients = tenants["activations"] / MiB, tenants["gradients"] / MiB
+    return f"{activations:.3f} MiB of activations and {gradients:.3f} MiB of gradients at its end"
+
+
 def explain_peak(
     phases: dict[str, PhaseReport],
     peak_phase: str | None,
@@ -196,8 +203,12 @@ def explain_peak(
     largest_parameter_bytes: int,
     optimizer: str,
     expected_temporaries_bytes: int | None = None,
+    gathered_bytes: int = 0,
 ) -> str:
     """One sentence on what held memory at the peak, from the phases around it.
+
+    ``gathered_bytes`` is the largest FSDP unit's unsharded size, where parameters are sharded: then a peak
+    inside forward or backward is mostly gathered parameters, not the activations or gradients.
 
     ``optimizer`` names each optimizer and the implementation that ran (single-tensor, foreach or
     fused), whose temporaries differ: ``expected_temporaries_bytes`` is the formula's figure for them.
@@ -220,6 +231,13 @@ def explain_peak(
         if expected_temporaries_bytes is not None:
             text += f"; the formula for this implementation expects {expected_temporaries_bytes / MiB:.2f} MiB"
         return text
+    before = phases.get(PHASES[PHASES.index(peak_phase) - 1]) if peak_phase in PHASES[1:3] else None
+    if gathered_bytes and before is not None and before.allocated_bytes is not None:
+        return (
+            f"{where}: {(peak_bytes - before.allocated_bytes) / MiB:.3f} MiB above the window's start, mostly FSDP's"
+            f" gathered parameters: the largest unit is {gathered_bytes / MiB:.3f} MiB unsharded, held about twice"
+            f" while gathered (all-gather buffer and parameters); {_at_end(phase)}"
+        )
     if peak_phase == "before_backward":
         text = f"{where}: {phase.tenants_bytes['activations'] / MiB:.2f} MiB of activations on top of the fixed tenants"
         begin = phases.get("batch_start")

@@ -39,6 +39,29 @@ def _live_tensors() -> list[Tensor]:
     return list(compress(objects, map(types.__contains__, map(type, objects))))
 
 
+_following: list[LiveTensorTracker] = []
+
+
+def _resize_(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` while a tracker runs: FSDP2 frees and re-allocates its gathered
+    parameters this way, outside the dispatcher, so the trackers re-read the storage's size."""
+    out = torch._C.StorageBase.resize_(storage, size)
+    for tracker in _following:
+        tracker.resized(storage)
+    return out
+
+
+def _follow_resizes(tracker: LiveTensorTracker, on: bool) -> None:
+    if on and tracker not in _following:
+        if not _following:
+            torch.UntypedStorage.resize_ = _resize_  # type: ignore[method-assign]
+        _following.append(tracker)
+    elif not on and tracker in _following:
+        _following.remove(tracker)
+        if not _following:
+            del torch.UntypedStorage.resize_
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: LiveTensorTracker) -> None:
         super().__init__()
@@ -116,15 +139,21 @@ class LiveTensorTracker:
             self._scanned = True
             self.register(_live_tensors())
         self.register(roots)
+        for ref, _ in list(self._live.values()):
+            storage = ref()
+            if storage is not None:
+                self._add_storage(storage)  # sizes may have changed while paused (storage resizes)
         self.peak_bytes = self._window_peak = self.current_bytes
         if self._mode is None:
             self._mode = _Mode(self)
             self._mode.__enter__()
+            _follow_resizes(self, True)
 
     def pause(self) -> None:
         """Stop seeing new allocations; frees of known storages are still followed."""
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            _follow_resizes(self, False)
             mode.__exit__(None, None, None)
 
     def stop(self) -> None:
@@ -161,6 +190,11 @@ class LiveTensorTracker:
         else:
             for storage in _storages(tensor):
                 self._add_storage(storage)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Take a storage's new size: a resize to 0 frees its bytes, a resize back allocates them."""
+        if storage.device.type == self.device_type or self.device_type is None:
+            self._add_storage(storage)
 
     def host(self, tensor: Tensor) -> None:
         """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later."""
