@@ -21,7 +21,8 @@ from lightning_memtenants.sources import TrackerSource
 
 
 def nothing_registered() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None and _get_current_dispatch_mode() is None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is None and _get_current_dispatch_mode() is None and "resize_" not in torch.UntypedStorage.__dict__
 
 
 class Net(L.LightningModule):
@@ -205,3 +206,52 @@ def test_losses_are_bitwise_identical_across_configurations(precision, accumulat
     with_callback = losses([MemoryTenantsCallback(track_every_step=True, print_summary=False)])
     assert len(with_callback) >= 3
     assert with_callback == losses([])
+
+
+class SparseNet(L.LightningModule):
+    """Embedding(100, 8, sparse=True) under SparseAdam: sparse COO gradients have no single storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 8, sparse=True)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.emb(batch[0]).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SparseAdam(self.parameters())
+
+
+def test_sparse_gradients_are_counted_by_their_indices_and_values() -> None:
+    data = TensorDataset(torch.randint(0, 100, (12, 3), generator=torch.Generator().manual_seed(0)))
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="memtenants.*")
+        model = SparseNet()
+        make_trainer([cb], steps=3).fit(model, DataLoader(data, batch_size=4))
+    plain = SparseNet()
+    make_trainer([], steps=3).fit(plain, DataLoader(data, batch_size=4))
+    assert model.losses == plain.losses
+    # a batch of 4 x 3 indices: the gradient keeps (1, 12) int64 indices and (12, 8) fp32 values
+    assert cb.latest.phases["after_backward"].tenants_bytes["gradients"] == 12 * 8 + 12 * 8 * 4
+    assert cb.latest.tenants_bytes["optimizer_state"] == 2 * 100 * 8 * 4  # SparseAdam's dense moments
+    assert cb.latest.peak_bytes is not None
+    assert nothing_registered()
+
+
+def test_a_tracker_failure_inside_an_operator_never_reaches_the_operator(monkeypatch) -> None:
+    source = TrackerSource(scan=False)
+    source.start()
+    monkeypatch.setattr(type(source.tracker), "add", lambda self, tensor: 1 / 0)
+    try:
+        y = torch.ones(3) * 2
+    finally:
+        source.pause()
+    assert y.tolist() == [2.0, 2.0, 2.0]
+    assert isinstance(source.tracker.error, ZeroDivisionError)
+    with pytest.raises(RuntimeError, match="the tracker failed inside an operator"):
+        source.read()  # the monitor's guard turns this into one warning and disables the source

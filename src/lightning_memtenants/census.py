@@ -22,6 +22,24 @@ from lightning_memtenants.formulas import local_optimizer
 TENANTS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
 
 
+_SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def part_storages(tensor: Tensor) -> list[torch.UntypedStorage]:
+    """The storages of a tensor that has no single storage: a sparse tensor's indices and values.
+
+    Other storage-less tensors (ones no layout here describes) give none, so they are left out, not fatal.
+    """
+    parts = _SPARSE_PARTS.get(tensor.layout, ())
+    return [getattr(tensor, name)().untyped_storage() for name in parts]
+
+
 def storage_key(tensor: Tensor) -> int:
     """Identity of the storage behind ``tensor``, valid for as long as the storage lives.
 
@@ -49,11 +67,15 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     for tensor in tensors:
         if type(tensor) not in _PLAIN:
             tensor = local_tensor(tensor)
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key not in seen:
-            add(key)
-            total += storage.nbytes()
+        try:
+            storages = (tensor.untyped_storage(),)
+        except (NotImplementedError, RuntimeError):  # sparse: no single storage
+            storages = tuple(part_storages(tensor))
+        for storage in storages:
+            key = id(storage)
+            if key not in seen:
+                add(key)
+                total += storage.nbytes()
     return total
 
 
@@ -157,12 +179,13 @@ class ActivationTracker:
     def _pack(self, tensor: Tensor) -> Tensor:
         if self.error is None:
             try:
-                storage = tensor.untyped_storage()
-                key = id(storage)
-                known = self._saved.get(key)
-                if (known is None or known[0]() is not storage) and key not in self._ignored:
-                    target = self._casts if self.params and _is_param_cast(tensor, self.params) else self._saved
-                    target[key] = (weakref.ref(storage), storage.nbytes())
+                strided = tensor.layout is torch.strided
+                for storage in (tensor.untyped_storage(),) if strided else part_storages(tensor):
+                    key = id(storage)
+                    known = self._saved.get(key)
+                    if (known is None or known[0]() is not storage) and key not in self._ignored:
+                        target = self._casts if self.params and _is_param_cast(tensor, self.params) else self._saved
+                        target[key] = (weakref.ref(storage), storage.nbytes())
             except Exception as error:  # a failed measurement must never fail the forward
                 self.error = error
         return tensor

@@ -173,6 +173,8 @@ class TrackerSource(MemorySource):
         self.tracker.start(roots)
 
     def read(self) -> Reading:
+        if self.tracker.error is not None:
+            raise RuntimeError(f"the tracker failed inside an operator: {self.tracker.error!r}")
         if not self.tracker.active:
             return Reading()
         allocated, peak = self.tracker.read()

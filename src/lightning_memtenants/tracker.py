@@ -20,6 +20,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from lightning_memtenants.census import part_storages
+
 
 def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(tensor):
@@ -28,8 +30,10 @@ def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
             inner = getattr(tensor, attr)
             if isinstance(inner, Tensor):
                 yield from _storages(inner)
-    else:
+    elif tensor.layout is torch.strided:
         yield tensor.untyped_storage()
+    else:
+        yield from part_storages(tensor)
 
 
 def _live_tensors() -> list[Tensor]:
@@ -70,16 +74,22 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
+        if tracker.error is not None:
+            return out
         before = tracker.current_bytes
-        if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
-            tracker.host(out)
-        elif isinstance(out, Tensor):
-            tracker.add(out)
-        elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
-            for tensor in out:
-                tracker.add(tensor)
-        else:
-            tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+        try:
+            if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
+                tracker.host(out)
+            elif isinstance(out, Tensor):
+                tracker.add(out)
+            elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
+                for tensor in out:
+                    tracker.add(tensor)
+            else:
+                tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+        except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
+            tracker.error = error
+            return out
         if tracker.limit_bytes is not None:
             tracker.check_limit(before)
         return out
@@ -128,6 +138,8 @@ class LiveTensorTracker:
         self._pad: dict[int, int] = {}
         self._mode: _Mode | None = None
         self._scanned = False
+        # the first failure inside an operator: from then on the tracker only passes operators through
+        self.error: Exception | None = None
 
     @property
     def active(self) -> bool:
@@ -162,6 +174,7 @@ class LiveTensorTracker:
         self._live.clear()
         self._pad.clear()
         self._scanned = False
+        self.error = None
         self.current_bytes = self.peak_bytes = self._window_peak = self.rounding_bytes = 0
 
     def __enter__(self) -> LiveTensorTracker:
@@ -185,7 +198,7 @@ class LiveTensorTracker:
         """Count the storage behind one tensor (or the storages inside a wrapper subclass)."""
         if self.device_type is not None and tensor.device.type != self.device_type:
             return
-        if type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor):
+        if tensor.layout is torch.strided and (type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor)):
             self._add_storage(tensor.untyped_storage())
         else:
             for storage in _storages(tensor):
@@ -193,8 +206,11 @@ class LiveTensorTracker:
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Take a storage's new size: a resize to 0 frees its bytes, a resize back allocates them."""
-        if storage.device.type == self.device_type or self.device_type is None:
-            self._add_storage(storage)
+        if self.error is None and (storage.device.type == self.device_type or self.device_type is None):
+            try:
+                self._add_storage(storage)
+            except Exception as error:
+                self.error = error
 
     def host(self, tensor: Tensor) -> None:
         """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later."""
