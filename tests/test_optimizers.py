@@ -19,6 +19,7 @@ from lightning_memtenants.formulas import (
     expected_fixed_cost,
     explain_fixed_cost,
     fsdp_fixed_cost_bytes,
+    fsdp_gathered_bytes,
     grad_scaler_bytes,
     optimizer_implementation,
     sharded_state_bytes,
@@ -244,6 +245,7 @@ def test_sharded_formulas() -> None:
     assert fsdp_fixed_cost_bytes(SEED_P, 4) == 4 * SEED_P
     assert fsdp_fixed_cost_bytes(SEED_P, 4, gathered_params=4096 * 4096 + 4096) == 4 * SEED_P + 4 * (4096 * 4097)
     assert fsdp_fixed_cost_bytes(SEED_P, 2, param_bytes=2, grad_bytes=2, state_bytes_per_param=4) == 4 * SEED_P
+    assert fsdp_gathered_bytes(nn.Linear(3, 5)) == 0  # no fully_shard unit; tests/test_ddp.py measures a sharded one
     assert sharded_state_bytes(10, 3) == 4
     with pytest.raises(ValueError, match="world_size"):
         sharded_state_bytes(10, 0)
