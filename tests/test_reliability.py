@@ -243,6 +243,37 @@ def test_sparse_gradients_are_counted_by_their_indices_and_values() -> None:
     assert nothing_registered()
 
 
+def test_a_tracker_failure_inside_backward_costs_one_warning_not_the_run(monkeypatch) -> None:
+    from lightning_memtenants.tracker import LiveTensorTracker
+
+    add = LiveTensorTracker.add
+    calls = {"n": 0}
+
+    def failing_add(self, tensor):
+        calls["n"] += 1
+        if calls["n"] == 300:  # somewhere inside a step, after the first
+            raise ZeroDivisionError("injected inside an operator")
+        return add(self, tensor)
+
+    monkeypatch.setattr(LiveTensorTracker, "add", failing_add)
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    torch.manual_seed(0)
+    module = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], steps=4).fit(module, loader())
+    torch.manual_seed(0)
+    plain = Net()
+    make_trainer([], steps=4).fit(plain, loader())
+    ours = [str(w.message) for w in caught if "memtenants" in str(w.message)]
+    assert calls["n"] >= 300
+    assert module.losses == plain.losses
+    assert len(ours) == 1 and "memory source is disabled from now on" in ours[0]
+    assert "injected inside an operator" in ours[0]
+    assert cb.latest.step == 3 and cb.latest.tenants_bytes["weights"] == 129 * 4
+    assert nothing_registered()
+
+
 def test_a_tracker_failure_inside_an_operator_never_reaches_the_operator(monkeypatch) -> None:
     source = TrackerSource(scan=False)
     source.start()
