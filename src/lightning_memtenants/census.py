@@ -34,9 +34,12 @@ _SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
 def part_storages(tensor: Tensor) -> list[torch.UntypedStorage]:
     """The storages of a tensor that has no single storage: a sparse tensor's indices and values.
 
-    Other storage-less tensors (ones no layout here describes) give none, so they are left out, not fatal.
+    Another layout raises ``ValueError``: a measurement that cannot count a tensor says so (and is
+    disabled with a warning) rather than leaving it out.
     """
-    parts = _SPARSE_PARTS.get(tensor.layout, ())
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    if parts is None:
+        raise ValueError(f"cannot count the storage of a tensor with layout {tensor.layout}")
     return [getattr(tensor, name)().untyped_storage() for name in parts]
 
 
@@ -69,8 +72,10 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
             tensor = local_tensor(tensor)
         try:
             storages = (tensor.untyped_storage(),)
-        except (NotImplementedError, RuntimeError):  # sparse: no single storage
-            storages = tuple(part_storages(tensor))
+        except (NotImplementedError, RuntimeError):
+            if tensor.layout is torch.strided:
+                raise
+            storages = tuple(part_storages(tensor))  # sparse: indices and values
         for storage in storages:
             key = id(storage)
             if key not in seen:
