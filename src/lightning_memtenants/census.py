@@ -31,16 +31,18 @@ _SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
 }
 
 
-def part_storages(tensor: Tensor) -> list[torch.UntypedStorage]:
-    """The storages of a tensor that has no single storage: a sparse tensor's indices and values.
+def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:
+    """The storages behind a tensor: its own, or a sparse tensor's indices and values.
 
     Another layout raises ``ValueError``: a measurement that cannot count a tensor says so (and is
     disabled with a warning) rather than leaving it out.
     """
+    if tensor.layout is torch.strided:
+        return (tensor.untyped_storage(),)
     parts = _SPARSE_PARTS.get(tensor.layout)
     if parts is None:
         raise ValueError(f"cannot count the storage of a tensor with layout {tensor.layout}")
-    return [getattr(tensor, name)().untyped_storage() for name in parts]
+    return tuple(getattr(tensor, name)().untyped_storage() for name in parts)
 
 
 def storage_key(tensor: Tensor) -> int:
@@ -70,13 +72,7 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     for tensor in tensors:
         if type(tensor) not in _PLAIN:
             tensor = local_tensor(tensor)
-        try:
-            storages = (tensor.untyped_storage(),)
-        except (NotImplementedError, RuntimeError):
-            if tensor.layout is torch.strided:
-                raise
-            storages = tuple(part_storages(tensor))  # sparse: indices and values
-        for storage in storages:
+        for storage in storages_of(tensor):
             key = id(storage)
             if key not in seen:
                 add(key)
@@ -184,12 +180,11 @@ class ActivationTracker:
     def _pack(self, tensor: Tensor) -> Tensor:
         if self.error is None:
             try:
-                strided = tensor.layout is torch.strided
-                for storage in (tensor.untyped_storage(),) if strided else part_storages(tensor):
+                for storage in storages_of(tensor):
                     key = id(storage)
                     known = self._saved.get(key)
                     if (known is None or known[0]() is not storage) and key not in self._ignored:
-                        target = self._casts if self.params and _is_param_cast(tensor, self.params) else self._saved
+                        target = self._casts if self.params and is_param_cast(tensor, self.params) else self._saved
                         target[key] = (weakref.ref(storage), storage.nbytes())
             except Exception as error:  # a failed measurement must never fail the forward
                 self.error = error
@@ -215,7 +210,7 @@ def _live(records: dict[int, tuple[weakref.ref, int]], exclude: set[int] | froze
     return total
 
 
-def _is_param_cast(tensor: Tensor, params: frozenset[int]) -> bool:
+def is_param_cast(tensor: Tensor, params: frozenset[int] | set[int]) -> bool:
     """Whether ``tensor`` (or the base it views) is a dtype cast of a parameter: ``_to_copy`` of a leaf."""
     base = tensor._base if tensor._is_view() else tensor
     fn = base.grad_fn if base is not None else None

@@ -231,7 +231,7 @@ def explain_peak(
         if expected_temporaries_bytes is not None:
             text += f"; the formula for this implementation expects {expected_temporaries_bytes / MiB:.2f} MiB"
         return text
-    before = phases.get(PHASES[PHASES.index(peak_phase) - 1]) if peak_phase in PHASES[1:3] else None
+    before = phases.get({"before_backward": "batch_start", "after_backward": "before_backward"}.get(peak_phase, ""))
     if gathered_bytes and before is not None and before.allocated_bytes is not None:
         return (
             f"{where}: {(peak_bytes - before.allocated_bytes) / MiB:.3f} MiB above the window's start, mostly FSDP's"

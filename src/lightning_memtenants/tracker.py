@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from lightning_memtenants.census import part_storages
+from lightning_memtenants.census import storages_of
 
 
 def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
@@ -30,10 +30,8 @@ def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
             inner = getattr(tensor, attr)
             if isinstance(inner, Tensor):
                 yield from _storages(inner)
-    elif tensor.layout is torch.strided:
-        yield tensor.untyped_storage()
     else:
-        yield from part_storages(tensor)
+        yield from storages_of(tensor)
 
 
 def _live_tensors() -> list[Tensor]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memtenants.census import batch_tensors, storage_key
+from lightning_memtenants.census import batch_tensors, is_param_cast, storage_key
 from lightning_memtenants.report import MiB
 
 _FUSED_ATTENTION = (
@@ -102,27 +102,20 @@ class ActivationCheck:
 
 
 class _OpNames(TorchDispatchMode):
-    """Records operator names, the masks dropout draws and the casts of weights autocast makes.
+    """Records operator names and the masks dropout draws (kept, fake and so free, so their ids stay unique)."""
 
-    The tensors are kept (fake, so free) so that their storages' ids stay unique.
-    """
-
-    def __init__(self, weights: set[int]) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.names: set[str] = set()
-        self.weights = weights
-        self.made: dict[int, tuple[str, Tensor]] = {}
+        self.masks: dict[int, Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.__name__.split(".")[0]
         self.names.add(name)
         out = func(*args, **(kwargs or {}))
-        if name == "bernoulli_":
-            self.made[storage_key(args[0])] = ("dropout", args[0])
-        elif name == "native_dropout":
-            self.made[storage_key(out[1])] = ("dropout", out[1])
-        elif name == "_to_copy" and storage_key(args[0]) in self.weights:
-            self.made[storage_key(out)] = ("weight cast", out)
+        mask = args[0] if name == "bernoulli_" else out[1] if name == "native_dropout" else None
+        if mask is not None:
+            self.masks[storage_key(mask)] = mask
         return out
 
 
@@ -183,18 +176,21 @@ def _measure(
     loss_fn: Callable[[nn.Module, Any], Tensor] | None,
 ) -> tuple[list[list[_Saved]], _OpNames]:
     """The new storages saved for backward while each block runs; parameters and the batch excluded."""
-    weights = {storage_key(t) for t in (*module.parameters(), *module.buffers())}
-    excluded = weights | {storage_key(t) for t in batch_tensors(batch)}
+    excluded = {storage_key(t) for t in (*module.parameters(), *module.buffers(), *batch_tensors(batch))}
+    params = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     current: list[int] = []
     saved: list[list[_Saved]] = [[] for _ in blocks]
-    ops = _OpNames(weights)
+    ops = _OpNames()
 
     def pack(tensor: Tensor) -> Tensor:
         key = storage_key(tensor)
         if current and key not in excluded and key not in seen:
             seen.add(key)
-            made_by = ops.made[key][0] if key in ops.made else "dropout" if tensor.dtype == torch.bool else ""
+            if is_param_cast(tensor, params):
+                made_by = "weight cast"
+            else:
+                made_by = "dropout" if key in ops.masks or tensor.dtype == torch.bool else ""
             nbytes = int(tensor.untyped_storage().nbytes())
             saved[current[-1]].append(_Saved(nbytes, tensor.dtype, tuple(tensor.shape), made_by))
         return tensor
