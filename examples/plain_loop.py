@@ -26,7 +26,7 @@ def main() -> None:
         x = torch.randn(64, 1024)
         monitor.phase("batch_start", batch=x)
         loss = model(x).pow(2).mean()
-        monitor.phase("before_backward")
+        monitor.phase("before_backward", output=loss)
         loss.backward()
         monitor.phase("after_backward")
         monitor.phase("before_optimizer_step")

@@ -226,7 +226,7 @@ def _fresh_tracker():
         ({"margin": "5%"}, "margin must be a fraction"),
         ({"strict": "yes"}, "strict must be True or False"),
         ({"record_history": 1}, "record_history must be True or False"),
-        ({"postmortem_dir": 5}, "postmortem_dir must be None or a path"),
+        ({"postmortem_dir": 5}, "postmortem_dir must be None or a non-empty path"),
     ],
 )
 def test_bad_arguments(kwargs, message) -> None:

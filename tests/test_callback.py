@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import (
+    CLOSURE_DIVISOR,
     SEED_SAVED_PER_SAMPLE,
     SEED_WEIGHTS,
     RecordingLogger,
@@ -63,11 +64,11 @@ def test_seed_model_tenants_exact(seed_run) -> None:
         "weights": SEED_WEIGHTS,
         "gradients": SEED_WEIGHTS,
         "optimizer_state": 201_400_344,
-        "activations": 8 * SEED_SAVED_PER_SAMPLE,
+        "activations": 8 * SEED_SAVED_PER_SAMPLE + CLOSURE_DIVISOR,
     }
     assert all(type(v) is int for v in report.tenants_bytes.values())
     assert list(report.phases) == list(PHASES)
-    assert report.phases["before_backward"].tenants_bytes["activations"] == 8 * SEED_SAVED_PER_SAMPLE
+    assert report.phases["before_backward"].tenants_bytes["activations"] == 8 * SEED_SAVED_PER_SAMPLE + CLOSURE_DIVISOR
     assert report.expected_fixed_bytes == report.measured_fixed_bytes == 16 * 25_175_040 + 24
     assert report.fixed_cost_notes == []
 
@@ -225,8 +226,9 @@ def test_gradient_accumulation_reports_per_optimizer_step() -> None:
     assert "before_optimizer_step" not in report.micro_batches[0]
     assert list(report.micro_batches[1]) == list(PHASES)
     assert report.expected_fixed_bytes == report.measured_fixed_bytes == 65 * 16 + 4 * 4
-    # tanh saves its output (2 x 8 floats); the second Linear saves it too; pow saves the 2 x 1 output.
-    assert report.tenants_bytes["activations"] == 2 * 8 * 4 + 2 * 1 * 4
+    # tanh saves its output (2 x 8 floats); the second Linear saves it too; pow saves the 2 x 1 output;
+    # Lightning's closure divides the loss by 2 and keeps the divisor.
+    assert report.tenants_bytes["activations"] == 2 * 8 * 4 + 2 * 1 * 4 + CLOSURE_DIVISOR
 
 
 class ManualModule(TinyModule):

@@ -50,9 +50,8 @@ def test_activations_are_the_unique_saved_storages_minus_weights_and_batch() -> 
     x = torch.randn(batch, 1024)
     tracker = ActivationTracker()
     tracker.ignore([x])
-    with tracker:
-        loss = model(x).pow(2).mean()
-    assert not tracker.active
+    loss = model(x).pow(2).mean()
+    tracker.observe(loss)
     assert take_census(model, activations=tracker)["activations"] == batch * SEED_SAVED_PER_SAMPLE
     loss.backward()
     del loss
@@ -62,8 +61,9 @@ def test_activations_are_the_unique_saved_storages_minus_weights_and_batch() -> 
 def test_activations_include_the_batch_when_not_ignored() -> None:
     model = nn.Linear(16, 8)
     x = torch.randn(5, 16)
-    with ActivationTracker() as tracker:
-        out = model(x)  # addmm saves x and a view of the weight
+    tracker = ActivationTracker()
+    out = model(x)  # addmm saves x and a view of the weight
+    tracker.observe(out)
     assert take_census(model, activations=tracker)["activations"] == 5 * 16 * 4
     del out
 
@@ -77,10 +77,10 @@ def test_activation_tracker_does_not_change_numerics_or_keep_tensors() -> None:
     model.zero_grad()
     tracker = ActivationTracker()
     tracker.ignore([x])
-    with tracker:
-        out = model(x)
-        hidden = torch.utils.weak.WeakTensorKeyDictionary()
-        hidden[out] = 1
+    out = model(x)
+    tracker.observe(out)
+    hidden = torch.utils.weak.WeakTensorKeyDictionary()
+    hidden[out] = 1
     out.sum().backward()
     del out
     assert len(hidden) == 0
@@ -88,7 +88,7 @@ def test_activation_tracker_does_not_change_numerics_or_keep_tensors() -> None:
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters(), strict=True))
 
 
-def test_pack_failure_is_recorded_not_raised() -> None:
+def test_a_graph_that_cannot_be_read_is_recorded_not_raised() -> None:
     tracker = ActivationTracker()
 
     class Odd(torch.Tensor):
@@ -96,8 +96,8 @@ def test_pack_failure_is_recorded_not_raised() -> None:
             raise RuntimeError("no storage here")
 
     x = torch.randn(3, requires_grad=True)
-    with tracker:
-        y = (x * 2).as_subclass(Odd)
-        z = (y * y).sum()
+    y = (x * 2).as_subclass(Odd)
+    z = (y * y).sum()
+    tracker.observe(z)  # MulBackward0 saved y, whose storage cannot be read
     z.backward()
-    assert isinstance(tracker.error, RuntimeError)
+    assert isinstance(tracker.error, RuntimeError) and str(tracker.error) == "no storage here"

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from conftest import CLOSURE_DIVISOR
 from torch import nn
 
 from lightning_memtenants.formulas import StateSpec, fsdp_fixed_cost_bytes, zero_state_bytes
@@ -52,8 +53,9 @@ def test_each_rank_measures_its_own_tenants(ranks: list[dict[str, Any]]) -> None
         assert ddp["end"]["optimizer_state"] == 8 * P + 4 * 4
         assert ddp["expected_fixed"] == ddp["measured_fixed"] == 16 * P + 16
         assert ddp["fixed_notes"] == []
-        # rank r trains on 2 + 2r samples: Tanh keeps 64 numbers a sample, pow keeps the 16 outputs
-        assert ddp["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4
+        # rank r trains on 2 + 2r samples: Tanh keeps 64 numbers a sample, pow keeps the 16 outputs, and
+        # Lightning's closure keeps its 8-byte divisor of the loss
+        assert ddp["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4 + CLOSURE_DIVISOR
 
 
 def test_ddp_buckets_are_their_own_part(ranks: list[dict[str, Any]]) -> None:
@@ -83,7 +85,7 @@ def test_rank_zero_logs_every_rank_and_the_cross_rank_max_and_min(ranks: list[di
     logged = ranks[0]["ddp"]["logged"]
     assert [step for step, _ in logged] == [0, 2]  # log_every_n_steps=2, 4 steps
     metrics = logged[-1][1]
-    activations = [2 * 80 * 4, 4 * 80 * 4]
+    activations = [2 * 80 * 4 + CLOSURE_DIVISOR, 4 * 80 * 4 + CLOSURE_DIVISOR]
     for rank in (0, 1):
         assert metrics[f"memtenants/rank_{rank}/activations_MiB"] * MiB == pytest.approx(activations[rank])
         assert metrics[f"memtenants/rank_{rank}/optimizer_state_MiB"] * MiB == pytest.approx(8 * P + 16)
@@ -124,7 +126,7 @@ def test_fsdp2_on_cpu_holds_16p_over_n_per_rank(tmp_path: Path) -> None:
         assert result["fixed_notes"] == []
         assert result["notes"][0].startswith("FSDP: weights, gradients and optimizer state are this rank's shards")
         # the gathered parameters are freed again after forward: only the activations remain at its end
-        assert result["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4
+        assert result["tenants"]["activations"] == (2 + 2 * rank) * (64 + 16) * 4 + CLOSURE_DIVISOR
         # FSDP2 frees and re-grows gathered parameters by resizing storages; the tracker follows, so at
         # batch start "other" is only the data set (64 x 32 fp32), the batch (8 x 32) and a few scalars
         phases = result["measured"]["phases"]

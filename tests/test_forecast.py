@@ -47,7 +47,7 @@ def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int, mon
         monitor.phase("batch_start", batch=x)
     loss = model(x).pow(2).mean()
     if monitor:
-        monitor.phase("before_backward")
+        monitor.phase("before_backward", output=loss)
     loss.backward()
     if monitor:
         monitor.phase("after_backward")

@@ -176,8 +176,9 @@ def test_autocast_copies_of_weights_are_told_apart_from_activations() -> None:
     tracker.params = frozenset(id(p) for p in model.parameters())
     x = torch.randn(8, 6)
     tracker.ignore([x])
-    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         loss = model(x).float().pow(2).mean()
+    tracker.observe(loss)
     # the first layer's input needs no gradient, so its weight's copy is not kept; the next two are
     assert tracker.cast_bytes() == (32 * 16 + 1 * 32) * 2
     # activations: the bf16 copy of x and the two Tanh outputs (bf16), the fp32 output that pow keeps
@@ -204,8 +205,7 @@ def test_activation_checkpointing_is_detected_without_recomputing() -> None:
         monitor = TenantMonitor(blocks, source=None)
         monitor.phase("batch_start", batch=x)
         loss = forward(mode)
-        monitor.phase("before_backward")
-        monitor.observe_output(loss)
+        monitor.phase("before_backward", output=loss)
         sizes[mode] = monitor.last_phase().tenants_bytes["activations"]
         loss.backward()
         monitor.phase("after_backward")

@@ -9,20 +9,14 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from conftest import adam_that_fails, fail_in_backward, make_trainer
+from conftest import adam_that_fails, fail_in_backward, make_trainer, nothing_registered
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_memtenants.monitor as monitor_module
 from lightning_memtenants import PHASES, MemoryTenantsCallback, TenantMonitor
 from lightning_memtenants.census import TenantCounter
 from lightning_memtenants.sources import TrackerSource
-
-
-def nothing_registered() -> bool:
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is None and _get_current_dispatch_mode() is None and "resize_" not in torch.UntypedStorage.__dict__
 
 
 class Net(L.LightningModule):
@@ -73,9 +67,9 @@ def test_a_fault_at_each_hook_disables_one_part_and_training_completes(monkeypat
     current = {"phase": None}
     original_phase = TenantMonitor.phase
 
-    def tracking_phase(self, name, batch=None):
+    def tracking_phase(self, name, *args, **kwargs):
         current["phase"] = name
-        return original_phase(self, name, batch)
+        return original_phase(self, name, *args, **kwargs)
 
     def faulty(original):
         def run(*args, **kwargs):

@@ -101,8 +101,23 @@ class LeakDetector:
         return {"seen": self._seen, "points": [list(p) for p in self._points]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seen = int(state.get("seen", 0))
-        self._points = deque(((int(s), int(t), dict(p)) for s, t, p in state.get("points", [])), maxlen=self.window)
+        """Restore what ``state_dict`` saved.
+
+        Raises:
+            ValueError: if ``state`` is not such a dict; nothing is changed then.
+        """
+        try:
+            seen = int(state.get("seen", 0))
+            points = deque(
+                ((int(s), int(t), {str(k): int(v) for k, v in dict(p).items()}) for s, t, p in state.get("points", [])),
+                maxlen=self.window,
+            )
+        except (AttributeError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"the leak detector's state must be a dict saved by LeakDetector.state_dict(), got {state!r:.80}"
+                f" ({error})"
+            ) from None
+        self._seen, self._points = seen, points
 
 
 def _slope(xs: list[int], ys: list[int]) -> tuple[float, float]:
@@ -179,8 +194,15 @@ def write_postmortem(
     fixes: list[Fix],
     budget_bytes: int | None,
     step: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[Path, Path]:
-    """Write ``memtenants_oom.json`` and ``memtenants_oom.txt``; return their paths."""
+    """Write the postmortem as JSON and text; return their paths.
+
+    The files are ``memtenants_oom.json`` and ``.txt`` in a single process, and
+    ``memtenants_oom_rank<r>.json`` and ``.txt`` on each rank of a distributed run, so that
+    ranks never write over each other. Nothing here talks to other ranks.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tenants = dict(tenants_now or (last_phase.tenants_bytes if last_phase else {}))
@@ -188,7 +210,8 @@ def write_postmortem(
         tenants["other"] = other_now
     fat = max(tenants, key=lambda t: tenants[t]) if tenants else None
     record = {
-        "error": f"{type(error).__name__}: {error}",
+        "error": describe_error(error),
+        "rank": rank,
         "step": step,
         "phase": failing_window,
         "phase_description": _describe(failing_window),
@@ -201,10 +224,11 @@ def write_postmortem(
         "budget_bytes": budget_bytes,
         "fixes": [{"action": f.action, "saves_bytes": f.saves_bytes} for f in fixes],
     }
-    json_path, text_path = directory / "memtenants_oom.json", directory / "memtenants_oom.txt"
+    stem = "memtenants_oom" if world_size <= 1 else f"memtenants_oom_rank{rank}"
+    json_path, text_path = directory / f"{stem}.json", directory / f"{stem}.txt"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"memtenants OOM postmortem: step {step}, {record['error']}",
+        f"memtenants OOM postmortem: step {step}{f', rank {rank}' if world_size > 1 else ''}, {record['error']}",
         f"failed in {record['phase_description']} ({failing_window}), after {record['last_completed_phase']}",
         "",
         f"{'tenant (MiB)':<18}{'last phase':>14}{'at failure':>14}",
@@ -219,6 +243,18 @@ def write_postmortem(
     lines += [f"  {i}. {f.action}: saves {f.saves_bytes / MiB:.2f} MiB" for i, f in enumerate(fixes, 1)]
     text_path.write_text("\n".join(lines) + "\n")
     return json_path, text_path
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message`` for any exception, even one whose ``__str__`` raises or whose args are not text."""
+    try:
+        text = str(error)
+    except Exception:  # a user's exception may fail to print itself; its repr of args still tells something
+        try:
+            text = repr(error.args)
+        except Exception:
+            text = "<unprintable>"
+    return f"{type(error).__name__}: {text}"
 
 
 def _describe(window: str | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -19,22 +19,25 @@ from torch.optim import Optimizer
 from lightning_memtenants.alerts import (
     LeakDetector,
     MemoryBudgetError,
+    describe_error,
     device_budget_bytes,
     first_step_jump_bytes,
     optimizer_step_temporaries_bytes,
     ranked_fixes,
     write_postmortem,
 )
-from lightning_memtenants.census import take_census
+from lightning_memtenants.census import batch_tensors, take_census
 from lightning_memtenants.distributed import gather_rank_metrics
 from lightning_memtenants.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
-from lightning_memtenants.forecast import PeakForecast, batch_elements, parse_bytes
+from lightning_memtenants.forecast import PeakForecast, parse_bytes, positive_int, positive_number
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.report import PHASES, WINDOW_NAMES, MiB, StepReport, format_table
-from lightning_memtenants.sources import MemorySource, TrackerSource
+from lightning_memtenants.sources import MemorySource, TrackerSource, source_for
 from lightning_memtenants.tensorboard import TensorBoardPanels
 
 _SOURCES = ("auto", "tracker", "none")
+# Under manual optimization a step that no optimizer ends is closed after this many batches.
+MANUAL_ACCUMULATION_BOUND = 64
 
 
 class MemoryTenantsCallback(Callback):
@@ -49,7 +52,8 @@ class MemoryTenantsCallback(Callback):
     printed at the end of fit.
 
     Args:
-        track_activations: record what autograd saves for backward (``saved_tensors_hooks``).
+        track_activations: count what autograd saves for backward, read from the loss's graph
+            at ``before_backward`` (no hook is installed).
         memory_source: ``"auto"`` uses the allocator's counters on CUDA and other accelerators
             (every step) and the live-tensor tracker on CPU (logging steps only); ``"tracker"``
             forces the tracker; ``"none"`` measures tenants only. A :class:`MemorySource` is
@@ -72,6 +76,11 @@ class MemoryTenantsCallback(Callback):
         print_summary: print the table of the last step at the end of fit.
         desk_every_n_logs: with a TensorBoardLogger, log the desk picture on every this-many-th
             logging step (the first included); ``0``: only at the end of fit.
+        reset_peak_stats: on CUDA and other accelerators, reset the allocator's peak counter at
+            every phase boundary, which gives exact window peaks but also resets what the rest of
+            the process reads from ``max_memory_allocated()``; the run's highest reading stays in
+            ``run_peak_bytes``. ``False`` leaves the counter alone, and a window's peak is then
+            measured only where it set a new high.
 
     Raises:
         ValueError: if an argument has the wrong type or value.
@@ -101,9 +110,11 @@ class MemoryTenantsCallback(Callback):
         postmortem_dir: str | os.PathLike[str] | None = None,
         record_history: bool = False,
         desk_every_n_logs: int = 10,
+        reset_peak_stats: bool = True,
     ) -> None:
         flags = {"track_activations": track_activations, "track_every_step": track_every_step}
         flags.update(print_summary=print_summary, strict=strict, record_history=record_history)
+        flags.update(reset_peak_stats=reset_peak_stats)
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -111,20 +122,30 @@ class MemoryTenantsCallback(Callback):
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
             raise ValueError(f"log_every_n_steps must be None or a positive int, got {log_every_n_steps!r}")
-        if not isinstance(memory_source, MemorySource) and memory_source not in _SOURCES:
-            raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {memory_source!r}")
+        if not isinstance(memory_source, MemorySource) and not (
+            isinstance(memory_source, str) and memory_source in _SOURCES
+        ):
+            raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {_short(memory_source)}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
         if isinstance(desk_every_n_logs, bool) or not isinstance(desk_every_n_logs, int) or desk_every_n_logs < 0:
             raise ValueError(f"desk_every_n_logs must be an int >= 0 (0: only at the end), got {desk_every_n_logs!r}")
-        if postmortem_dir is not None and not isinstance(postmortem_dir, (str, os.PathLike)):
-            raise ValueError(f"postmortem_dir must be None or a path, got {postmortem_dir!r}")
+        if postmortem_dir is not None and (
+            not isinstance(postmortem_dir, (str, os.PathLike)) or not os.fspath(postmortem_dir)
+        ):
+            raise ValueError(f"postmortem_dir must be None or a non-empty path, got {_short(postmortem_dir)}")
         self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         self.margin = float(margin)
         self.strict = strict
         self.postmortem_dir = postmortem_dir
         self.record_history = record_history
+        self.reset_peak_stats = reset_peak_stats
         self.postmortem_path: Path | None = None
+        self._log_dir: str | None = None
+        self._open_batch = False
+        self._step = 0
+        self._last_step: int | None = None
+        self._rank, self._world_size = 0, 1
         self.forecast = PeakForecast()
         self.leaks = LeakDetector()
         self._budget: int | None = None
@@ -143,20 +164,68 @@ class MemoryTenantsCallback(Callback):
         self.first: StepReport | None = None
         self._monitor: TenantMonitor | None = None
         self._stepped = False
+        self._step_hooks: list[Any] = []
+        self._step_bound = 1
+        self._run_peak: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        """One key per configuration, as Lightning's own callbacks build it, so two differently set up
+        instances can share a Trainer and its checkpoints."""
+        source = self.memory_source if isinstance(self.memory_source, str) else type(self.memory_source).__name__
+        return self._generate_state_key(
+            memory_source=source,
+            track_activations=self.track_activations,
+            track_every_step=self.track_every_step,
+            log_every_n_steps=self.log_every_n_steps,
+            budget_bytes=self.budget_bytes,
+            margin=self.margin,
+            strict=self.strict,
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
+            # which Lightning calls after setup
+            self.forecast = PeakForecast()
+            self.leaks = LeakDetector()
+            self.postmortem_path = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close()
+        self._close(release=True)
         self.latest = self.latest_measured = self.first = None
+        self._open_batch, self._last_step, self._step, self._run_peak = False, None, 0, None
+        self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
+        # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
+        # path (the postmortem) must never call a collective while another rank waits in backward
+        self._log_dir = None if self.postmortem_dir is not None else trainer.log_dir
         optimizers: list[Optimizer] = list(trainer.optimizers)
         source: str | MemorySource | None = self.memory_source
         if source == "tracker":
             source = TrackerSource(pl_module.device.type)
         elif source == "none":
             source = None
+        elif source == "auto":
+            source = source_for(pl_module.device, reset_peaks=self.reset_peak_stats)
         self._monitor = TenantMonitor(
-            pl_module, optimizers, track_activations=self.track_activations, source=source, warn=rank_zero_warn
+            pl_module,
+            optimizers,
+            track_activations=self.track_activations,
+            source=source,
+            device=pl_module.device,
+            warn=rank_zero_warn,
         )
         self._monitor.guard("precision and strategy", self._describe_engines, trainer, pl_module)
+        # An optimizer step ends a step: Lightning's hook sees its own steps, a post hook on each optimizer also
+        # sees a raw ``.step()`` (``self.optimizers(use_pl_optimizer=False)``). Without one, a step ends after the
+        # accumulation Lightning was asked for, or under manual optimization after every batch where it knows
+        # no optimizer, else after at most MANUAL_ACCUMULATION_BOUND batches.
+        real = [o for o in optimizers if type(o).__name__ != "_MockOptimizer"]
+        self._step_hooks = [o.register_step_post_hook(self._optimizer_stepped) for o in real]
+        if pl_module.automatic_optimization:
+            self._step_bound = max(int(trainer.accumulate_grad_batches or 1), 1)
+        else:
+            self._step_bound = MANUAL_ACCUMULATION_BOUND if real else 1
         self._rank_metrics: dict[str, float] = {}
         self._warned = set()
         self._budget = self.budget_bytes or device_budget_bytes(pl_module.device)
@@ -171,19 +240,48 @@ class MemoryTenantsCallback(Callback):
         """The budget in bytes this run checks against (before the margin), or None."""
         return self._budget
 
+    @property
+    def run_peak_bytes(self) -> int | None:
+        """The highest allocated bytes the memory source saw in the last fit, or None.
+
+        On CUDA it includes what ``max_memory_allocated()`` held when the callback first reset it, so it
+        stands in for the counter a script reads at the end.
+        """
+        return self._run_peak
+
     def predict_peak_bytes(self, batch_size: int) -> int | None:
-        """The predicted step peak for ``batch_size`` samples, from the steps measured so far."""
-        return self.forecast.predict_peak_bytes(batch_size)
+        """The predicted step peak for ``batch_size`` samples, from the steps measured so far.
+
+        Args:
+            batch_size: samples in the batch, a positive integer.
+
+        Returns:
+            The predicted peak in bytes, or ``None`` before a step was measured.
+
+        Raises:
+            ValueError: if ``batch_size`` is not a positive integer.
+        """
+        return self.forecast.predict_peak_bytes(positive_int(batch_size, "batch_size"))
 
     def max_batch_size(
         self, budget_bytes: int | str | None = None, *, elements_per_sample: float | None = None
     ) -> int | None:
         """The largest batch whose predicted peak fits the budget (after the margin).
 
-        Samples are sized as the longest seen so far, or as ``elements_per_sample`` input
-        elements (e.g. the longest sequence in the dataset).
+        Args:
+            budget_bytes: bytes or a string like ``"80GiB"``; ``None`` uses the run's budget.
+            elements_per_sample: input elements per sample (e.g. the longest sequence in the
+                dataset); ``None`` sizes samples as the longest seen so far.
+
+        Returns:
+            The batch size, or ``None`` without a budget or before a step was measured.
+
+        Raises:
+            ValueError: if an argument is not a positive number.
         """
         budget = self._budget if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        if elements_per_sample is not None:
+            elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
         if budget is None:
             return None
         return self.forecast.max_batch_size(int(budget * (1 - self.margin)), elements_per_sample)
@@ -191,11 +289,16 @@ class MemoryTenantsCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._stepped = False
         monitor = self._monitor
         if monitor is None:
             return
-        monitor.measure = self.track_every_step or self._logs_step(trainer, monitor.steps_done)
+        if self._open_batch:  # the last batch never ended: Lightning skipped it (on_train_batch_start gave -1)
+            monitor.abandon_step()
+        self._open_batch = True
+        if monitor.pending_micro_batches == 0:
+            self._stepped = False
+            self._step = self._step_number(trainer)
+            monitor.measure = self.track_every_step or self._logs_step(trainer, self._step)
         sized = monitor.guard("forecast", _batch_size, batch)
         if sized is not None:
             elements, _nbytes, samples = sized
@@ -209,14 +312,12 @@ class MemoryTenantsCallback(Callback):
                         f" {self.forecast.largest_elements:,}); its projected peak",
                         "cap the batch size or the sequence length, or sort and bucket samples by length",
                     )
-            self._batch = sized
+        self._batch = sized if sized is not None else (0, 0, 0)
         self._phase("batch_start", batch)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._phase("before_backward")
+        self._phase("before_backward", output=loss)
         monitor = self._monitor
-        if monitor is not None and monitor.measure:
-            monitor.observe_output(loss)
         if monitor is not None and self._budget is not None and "forecast" not in monitor.disabled:
             projected = monitor.guard("forecast", self._project_backward)
             if projected is not None:
@@ -255,12 +356,15 @@ class MemoryTenantsCallback(Callback):
         monitor = self._monitor
         if monitor is None:
             return
+        self._open_batch = False
         self._phase("batch_end")
-        if not self._stepped:
-            monitor.tracker.stop()
+        if not (self._stepped or monitor.pending_micro_batches >= self._step_bound):
             return
-        report = monitor.end_step()
-        if trainer.world_size > 1 and bool(trainer.loggers) and self._logs_step(trainer, monitor.steps_done - 1):
+        report = monitor.end_step(self._step)
+        self._last_step = self._step
+        if monitor.source.run_peak_bytes is not None:
+            self._run_peak = max(self._run_peak or 0, monitor.source.run_peak_bytes)
+        if trainer.world_size > 1 and bool(trainer.loggers) and self._logs_step(trainer, self._step):
             # every rank takes part on the same steps, whatever its own measurement did, so none waits
             self._rank_metrics = _gather_or_warn(trainer, report)
         if report is None:
@@ -284,6 +388,11 @@ class MemoryTenantsCallback(Callback):
         if headroom is not None:
             monitor.guard("progress bar", _show_headroom, pl_module, headroom)
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._open_batch and self._monitor is not None:  # the epoch stopped inside a batch: it never ends
+            self._open_batch = False
+            self._monitor.abandon_step()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
         if self._panels is not None and self.latest is not None:
@@ -296,40 +405,82 @@ class MemoryTenantsCallback(Callback):
             rank_zero_info(format_table(self.latest))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        monitor = self._monitor
-        if monitor is not None and (isinstance(exception, torch.OutOfMemoryError) or is_oom_error(exception)):
-            written = monitor.guard("postmortem", self._postmortem, trainer, pl_module, exception)
-            if written is not None and self._panels is not None:
-                self._panels.on_postmortem(written, _logged_step(trainer), self.latest)
-        self._close(release=True)
+        # Never raises and never talks to other ranks: the user's exception goes on as it is, and a rank that
+        # failed leaves as fast as it would without us while the others wait in a collective.
+        try:
+            monitor = self._monitor
+            if monitor is not None and is_out_of_memory(exception):
+                written = monitor.guard("postmortem", self._postmortem, trainer, pl_module, exception)
+                if written is not None and self._panels is not None:
+                    self._panels.on_postmortem(written, _logged_step(trainer), self.latest)
+        except Exception as error:  # the postmortem is a courtesy; the user's own exception matters
+            rank_zero_warn(f"memtenants: the postmortem failed ({describe_error(error)})")
+        finally:
+            self._close(release=True)
+            self._unbind()
 
     def state_dict(self) -> dict[str, Any]:
         return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.forecast.load_state_dict(state_dict.get("forecast", {}))
-        self.leaks.load_state_dict(state_dict.get("leaks", {}))
+        """Restore the forecast and the leak baseline that ``state_dict`` saved (a resumed fit).
+
+        Raises:
+            ValueError: if ``state_dict`` is not a dict saved by ``state_dict()``; nothing changes then.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(
+                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {_short(state_dict)}"
+            )
+        forecast, leaks = PeakForecast(), LeakDetector()
+        for name, part in (("forecast", forecast), ("leaks", leaks)):
+            value = state_dict.get(name, {})
+            if not isinstance(value, dict):
+                raise ValueError(f"state_dict[{name!r}] must be a dict, got {_short(value)}")
+            part.load_state_dict(value)
+        self.forecast, self.leaks = forecast, leaks
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(release=True)
-        # Lightning binds ``log`` and ``log_dict`` of the module onto every callback and leaves them:
-        # drop them, so that a finished callback keeps no module (and no tensor) alive.
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Drop ``log`` and ``log_dict``, which Lightning binds from the module onto every callback and pops only
+        in a teardown that does not run after an exception: a finished callback keeps no module alive."""
         for name in ("log", "log_dict"):
             self.__dict__.pop(name, None)
 
-    def _phase(self, name: str, batch: Any = None) -> None:
+    def _phase(self, name: str, batch: Any = None, output: Any = None) -> None:
         """Hand one phase boundary to the core."""
         if self._monitor is not None:
-            self._monitor.phase(name, batch)
+            self._monitor.phase(name, batch, output)
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    def _step_number(self, trainer: pl.Trainer) -> int:
+        """The trainer's global step; one past the last report where Lightning counted no step (an optimizer it
+        never sees, under manual optimization)."""
+        step = int(trainer.global_step)
+        if self._last_step is not None and step <= self._last_step:
+            step = self._last_step + 1
+        return step
 
     def _close(self, release: bool = False) -> None:
         """Remove our hooks; ``release`` also drops the module and optimizers we point to."""
-        if self._monitor is not None:
-            self._monitor.close()
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
+        monitor = self._monitor
+        if monitor is None:
+            return
+        try:
+            monitor.close()
+        finally:
+            if self._recording:
+                self._recording = False
+                monitor.guard("allocator history", torch.cuda.memory._record_memory_history, None)
             if release:
-                if self._recording:
-                    self._recording = False
-                    self._monitor.guard("allocator history", torch.cuda.memory._record_memory_history, None)
                 self._monitor = None
                 self._panels = None
 
@@ -450,6 +601,8 @@ class MemoryTenantsCallback(Callback):
         last = monitor.last_phase()
         order = list(PHASES)
         failing = order[(order.index(last.name) + 1) % len(order)] if last is not None else "batch_start"
+        if failing == "before_backward":  # inside the forward: its graph so far hangs off the failing frames
+            monitor.observe_failure(exception)
         tenants_now = monitor.guard("census", take_census, pl_module, monitor.optimizers, monitor.tracker)
         tenants = tenants_now or (last.tenants_bytes if last is not None else {})
         reading = monitor.guard("memory source", monitor.source.read) if monitor.measuring else None
@@ -464,7 +617,7 @@ class MemoryTenantsCallback(Callback):
             temporaries_bytes=optimizer_step_temporaries_bytes(monitor.optimizers) if failing == "batch_end" else 0,
             batch_temporaries_bytes=(other_now or 0) if failing in ("before_backward", "after_backward") else 0,
         )
-        directory = self.postmortem_dir or getattr(trainer, "log_dir", None) or os.getcwd()
+        directory = self.postmortem_dir or self._log_dir or os.getcwd()
         json_path, _ = write_postmortem(
             directory,
             error=exception,
@@ -474,12 +627,15 @@ class MemoryTenantsCallback(Callback):
             other_now=other_now,
             fixes=fixes,
             budget_bytes=self._budget,
-            step=monitor.steps_done,
+            step=self._step,
+            rank=self._rank,
+            world_size=self._world_size,
         )
         self.postmortem_path = json_path
         if self.record_history and pl_module.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(Path(directory) / "memtenants_oom_snapshot.pickle"))
-        rank_zero_warn(f"memtenants: out of memory; postmortem written to {json_path}")
+            name = "memtenants_oom_snapshot" + (f"_rank{self._rank}" if self._world_size > 1 else "") + ".pickle"
+            torch.cuda.memory._dump_snapshot(str(Path(directory) / name))
+        warnings.warn(f"memtenants: out of memory; postmortem written to {json_path}", stacklevel=1)
         return json_path
 
 
@@ -502,10 +658,41 @@ def _start_history() -> bool:
     return True
 
 
-def _batch_size(batch: Any) -> tuple[int, int, int]:
-    elements, nbytes = batch_elements(batch)
-    samples = batch.shape[0] if isinstance(batch, Tensor) and batch.dim() else extract_batch_size(batch)
-    return elements, nbytes, samples
+def _batch_size(batch: Any) -> tuple[int, int, int] | None:
+    """Elements, bytes and samples of a batch; None where it holds no tensor (the forecast then skips it).
+
+    Samples are the leading size of the first tensor: no call to Lightning's ``extract_batch_size``,
+    which warns about an ambiguous batch size to a user who never logged anything.
+    """
+    tensors = batch_tensors(batch)
+    elements = sum(t.numel() for t in tensors)
+    if not elements:
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    first = next((t for t in tensors if t.dim()), None)
+    return elements, nbytes, int(first.shape[0]) if first is not None else 1
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: ``torch.OutOfMemoryError``, or what Lightning's
+    ``is_oom_error`` recognises (the CPU allocator's "can't allocate memory" included).
+
+    That function assumes ``args[0]`` is a string; this one never raises, whatever the exception holds.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    args = getattr(error, "args", ())
+    return isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], str) and is_oom_error(error)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to a line, whatever the object (a numpy array's repr spans many)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _show_headroom(pl_module: pl.LightningModule, headroom: int) -> None:

@@ -7,13 +7,13 @@ its ``StorageImpl``; ``data_ptr()`` would be 0 for every fake tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -80,22 +80,32 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     return total
 
 
-def _tensors_in(value: Any) -> Iterator[Tensor]:
+def _tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[Tensor]:
+    """The tensors inside ``value``: mappings, lists, tuples and dataclasses, read without rebuilding them."""
     if isinstance(value, Tensor):
         yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
+        return
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = value.values()
     elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:  # a collection that contains itself
+        return
+    seen.add(id(value))
+    for item in items:
+        yield from _tensors_in(item, seen)
 
 
 def batch_tensors(batch: Any) -> list[Tensor]:
-    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses)."""
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
-    return found
+    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses); other objects hold none."""
+    return list(_tensors_in(batch))
 
 
 def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
@@ -113,61 +123,74 @@ def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]
 
 
 class ActivationTracker:
-    """Records the storages autograd saves for backward, through ``saved_tensors_hooks``.
+    """What autograd keeps for backward, read from the graph of the loss: no hook is installed.
 
-    The pack hook returns the tensor it is given, so autograd keeps exactly what it would
-    keep without us; the tracker itself holds only weak references to storages.
+    Every node of the graph holds its saved tensors, and ``SavedTensor.data`` gives what is
+    stored without unpacking it: the tensor itself or, where the user's ``saved_tensors_hooks``
+    packed it, whatever their pack returned (``save_on_cpu``'s host copy, a compressed tensor),
+    which is what really stays in memory. So the user's hooks run exactly as often as without
+    us, ``torch.compile`` sees nothing of ours, and checkpointed regions are not recomputed.
+    The tracker holds only weak references to storages.
+
+    Args:
+        device_type: count saved storages on this device type only; others (a hook's offload to
+            the host, say) are tallied in ``offloaded_bytes``. ``None`` counts every device.
 
     Example::
 
         tracker = ActivationTracker()
-        with tracker:
-            loss = model(x).sum()
+        loss = model(x).pow(2).mean()
+        tracker.observe(loss)
         tracker.live_bytes()  # bytes autograd holds for backward
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
+        self.device_type = device_type
         self._saved: dict[int, tuple[weakref.ref, int]] = {}
         self._casts: dict[int, tuple[weakref.ref, int]] = {}
         self._ignored: dict[int, weakref.ref] = {}
         # ids of the parameters: a saved tensor made from one of them by a dtype cast is autocast's
         # half copy of a weight, reported as ``autocast_cache`` rather than as an activation
         self.params: frozenset[int] = frozenset()
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.error: Exception | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._hooks is not None
+        self.clear()
 
     def ignore(self, tensors: Iterable[Tensor]) -> None:
         """Never count these storages (the input batch, say) as activations."""
         for tensor in tensors:
-            storage = tensor.untyped_storage()
-            self._ignored[id(storage)] = weakref.ref(storage)
-
-    def start(self) -> None:
-        if self._hooks is None:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            self._hooks.__enter__()
-
-    def stop(self) -> None:
-        if self._hooks is not None:
-            hooks, self._hooks = self._hooks, None
-            hooks.__exit__(None, None, None)
+            for storage in storages_of(local_tensor(tensor)):
+                self._ignored[id(storage)] = weakref.ref(storage)
 
     def clear(self) -> None:
-        """Forget every recorded storage; the next batch starts from nothing."""
+        """Forget every recorded storage and count; the next batch starts from nothing."""
         self._saved.clear()
         self._casts.clear()
         self._ignored.clear()
+        # checkpointed regions in the largest graph observed, and whether torch.compile's code made it
+        self.checkpointed = 0
+        self.compiled = False
+        # saved tensors that another hook packed, and of those, packed into something that holds no tensor
+        self.hooked = 0
+        self.opaque = 0
+        self.offloaded_bytes = 0
 
-    def __enter__(self) -> ActivationTracker:
-        self.start()
-        return self
+    def observe(self, output: Any) -> None:
+        """Record the saved tensors of every node in the graph of ``output`` (a tensor or a collection).
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        A failure is kept in ``error``, never raised: the user's forward has run, and the census
+        reports the activations as not measured.
+        """
+        if self.error is not None:
+            return
+        try:
+            self._walk([t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None])
+        except Exception as error:  # reading the graph must never fail the user's step
+            self.error = error
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The recorded storages still alive (the activations and autocast's casts)."""
+        found = [ref() for ref, _ in (*self._saved.values(), *self._casts.values())]
+        return [storage for storage in found if storage is not None]
 
     def live_bytes(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Bytes of recorded storages that are still alive and not in ``exclude``."""
@@ -177,22 +200,98 @@ class ActivationTracker:
         """Bytes of half copies of parameters (autocast's casts) that autograd still holds for backward."""
         return _live(self._casts, frozenset()) if self._casts else 0
 
-    def _pack(self, tensor: Tensor) -> Tensor:
-        if self.error is None:
-            try:
-                for storage in storages_of(tensor):
-                    key = id(storage)
-                    known = self._saved.get(key)
-                    if (known is None or known[0]() is not storage) and key not in self._ignored:
-                        target = self._casts if self.params and is_param_cast(tensor, self.params) else self._saved
-                        target[key] = (weakref.ref(storage), storage.nbytes())
-            except Exception as error:  # a failed measurement must never fail the forward
-                self.error = error
-        return tensor
+    def _walk(self, roots: list[Any]) -> None:
+        seen: set[Any] = set()  # the node objects themselves, so that no id is reused during the walk
+        stack = roots
+        checkpoint_hooks: set[int] = set()
+        reentrant = 0
+        offloaded: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            kind = type(node)
+            names = _SAVED_NAMES.get(kind)
+            if names is None:
+                names = _SAVED_NAMES[kind] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+                _SPECIAL[kind] = _special(kind.__name__)
+            special = _SPECIAL[kind]
+            if special == "reentrant":
+                reentrant += 1
+            elif special == "compiled":
+                self.compiled = True
+            for name in names:
+                saved = getattr(node, name)
+                for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+                    hook = item.unpack_hook
+                    if hook is not None and getattr(hook, "__module__", "") == "torch.utils.checkpoint":
+                        if id(hook) not in checkpoint_hooks:
+                            checkpoint_hooks.add(id(hook))
+                            # the region keeps only its inputs, saved by its frame, which the hook closes over
+                            for inputs in _checkpoint_inputs(hook):
+                                self._saved_item(inputs, offloaded)
+                    else:
+                        self._saved_item(item, offloaded)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+        self.checkpointed = max(self.checkpointed, reentrant + len(checkpoint_hooks))
+
+    def _saved_item(self, item: Any, offloaded: set[int]) -> None:
+        """One ``SavedTensor``: the tensor it stores, or what a user's pack hook made of it."""
+        if item.unpack_hook is None:
+            data = item.data
+            if data is not None:
+                self._record(data, offloaded)
+            return
+        self.hooked += 1
+        packed = list(_tensors_in(item.data))
+        if not packed:
+            self.opaque += 1
+        for tensor in packed:
+            self._record(tensor, offloaded)
+
+    def _record(self, tensor: Tensor, offloaded: set[int]) -> None:
+        if type(tensor) not in _PLAIN:
+            tensor = local_tensor(tensor)
+        elsewhere = self.device_type is not None and tensor.device.type != self.device_type
+        for storage in storages_of(tensor):
+            key = id(storage)
+            if key in self._ignored:
+                continue
+            if elsewhere:
+                if key not in offloaded:
+                    offloaded.add(key)
+                    self.offloaded_bytes += storage.nbytes()
+                continue
+            known = self._saved.get(key) or self._casts.get(key)
+            if known is None or known[0]() is not storage:
+                target = self._casts if self.params and is_param_cast(tensor, self.params) else self._saved
+                target[key] = (weakref.ref(storage), storage.nbytes())
 
 
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
+def _checkpoint_inputs(hook: Any) -> list[Any]:
+    """The ``SavedTensor`` inputs of the non-reentrant checkpoint region whose unpack hook this is.
+
+    ``torch.utils.checkpoint`` keeps them on a frame object (``saved_args``) that its hooks close over;
+    where that layout differs (another torch), the region's inputs are not found and not counted.
+    """
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            saved = getattr(cell.cell_contents, "saved_args", None)
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(saved, list):
+            return [arg for arg in saved if isinstance(arg, torch._C._autograd.SavedTensor)]
+    return []
+
+
+def _special(name: str) -> str:
+    """What a node's class says about the graph: a reentrant checkpoint, torch.compile's code, or nothing."""
+    if name == "CheckpointFunctionBackward":
+        return "reentrant"
+    if name == "CompiledFunctionBackward":  # AOT autograd: a torch.compile'd forward
+        return "compiled"
+    return ""
 
 
 def _live(records: dict[int, tuple[weakref.ref, int]], exclude: set[int] | frozenset[int]) -> int:
@@ -227,35 +326,15 @@ def checkpointed_regions(output: Tensor) -> int:
     tensors its nodes save with its own saved-tensors hook, one per region, which the walk recognises
     by the hook's module. Nothing is unpacked, so nothing is recomputed.
     """
-    fn = output.grad_fn
-    if fn is None:
-        return 0
-    reentrant = 0
-    hooks: set[int] = set()
-    seen: set[int] = set()
-    stack = [fn]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        kind = type(node)
-        if kind.__name__ == "CheckpointFunctionBackward":
-            reentrant += 1
-        names = _SAVED_NAMES.get(kind)
-        if names is None:
-            names = _SAVED_NAMES[kind] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
-        for name in names:
-            saved = getattr(node, name, None)
-            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-                hook = getattr(item, "unpack_hook", None)
-                if hook is not None and getattr(hook, "__module__", "") == "torch.utils.checkpoint":
-                    hooks.add(id(hook))
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-    return reentrant + len(hooks)
+    tracker = ActivationTracker()
+    tracker.observe(output)
+    if tracker.error is not None:
+        raise tracker.error
+    return tracker.checkpointed
 
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+_SPECIAL: dict[type, str] = {}
 
 
 class TenantCounter:

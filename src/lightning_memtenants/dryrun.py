@@ -142,10 +142,12 @@ def dry_run(
         elements, batch_bytes = batch_elements(fake_batch)
         optimizers = _optimizers(fake, optimizer, lightning)
         if gpu_target is None:
-            source = TrackerSource("cpu", scan=False)
+            source = TrackerSource("cpu", scan=False, count_fake=True)
         else:  # CUDA modelled on the CPU: fake CUDA tensors cannot go through autograd on a CPU-only build
             label = f"predicted for CUDA ({gpu_target.name}): fake tensors and a model of the caching allocator"
-            source = TrackerSource("cpu", scan=False, host_ops=HOST_OPS, label=label, allocator=CachingAllocatorModel())
+            source = TrackerSource(
+                "cpu", scan=False, host_ops=HOST_OPS, label=label, allocator=CachingAllocatorModel(), count_fake=True
+            )
         monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise)
         threads: Any = contextlib.nullcontext()
         if gpu_target is not None:
@@ -465,10 +467,14 @@ def _step(
         if not manual:
             loss = out["loss"] if isinstance(out, dict) else out
             if lightning:
-                kept = loss.detach().clone()  # noqa: F841  Lightning's closure keeps a detached copy of the loss
+                # Lightning's closure divides the loss by the accumulation factor, an int (autograd keeps that
+                # 0-d int64 for backward), lets the undivided loss go, and keeps a detached copy
+                loss = loss / 1
+                out = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, dict) else None
+                kept = loss.detach().clone()  # noqa: F841
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
-            monitor.phase("before_backward")
+            monitor.phase("before_backward", output=loss)
             _backward(loss, threads)
             monitor.phase("after_backward")
             for opt in optimizers:
@@ -503,7 +509,7 @@ def _attach_manual(
     """Give the fake copy what manual optimization asks of a Trainer: its optimizers and a backward."""
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        monitor.phase("before_backward")
+        monitor.phase("before_backward", output=loss)
         _backward(loss, threads, *args, **kwargs)
         monitor.phase("after_backward")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from lightning_memtenants.census import batch_tensors
@@ -33,21 +34,61 @@ _UNITS = {
 
 
 def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
-    """Bytes from an int or a human string such as ``"24GiB"``, ``"512 MiB"`` or ``"1.5GB"``."""
+    """Bytes from an int or a human string such as ``"24GiB"``, ``"512 MiB"`` or ``"1.5GB"``.
+
+    Strings and floats are read exactly (``"1.5GB"`` is 1,500,000,000), and a big int stays an int.
+
+    Args:
+        value: a number of bytes, or a number with a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB).
+        name: the argument's name, for the error message.
+
+    Returns:
+        The whole number of bytes, at least 1.
+
+    Raises:
+        ValueError: if ``value`` is not a positive number of at least 1 byte, or names an unknown unit.
+    """
+    expected = f"{name} must be a positive number of bytes (at least 1) or a string like '24GiB', got {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} must be a positive number of bytes or a string like '24GiB', got {value!r}")
+        raise ValueError(expected)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         unit = match.group(2).lower() if match else ""
         if match is None or (unit and unit not in _UNITS):
             units = ", ".join(sorted({u.upper().replace("I", "i") for u in _UNITS}))
             raise ValueError(f"{name} must be a number with an optional unit ({units}), got {value!r}")
-        number = float(match.group(1)) * _UNITS[unit or "b"]
+        number = Fraction(match.group(1)) * _UNITS[unit or "b"]
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(expected)
+        number = Fraction(value)
     else:
-        number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name} must be a positive number of bytes or a string like '24GiB', got {value!r}")
+        number = Fraction(value)
+    if number < 1:
+        raise ValueError(expected)
     return int(number)
+
+
+def positive_int(value: Any, name: str, limit: int = 2**53) -> int:
+    """``value`` as a batch size: an int from 1 to ``limit`` (not a bool, a float or a string).
+
+    Raises:
+        ValueError: naming ``name`` and what it accepts.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ValueError(f"{name} must be a positive integer up to {limit:,}, got {value!r}")
+    return value
+
+
+def positive_number(value: Any, name: str) -> float:
+    """``value`` as a finite number above 0 (an int or a float, not a bool).
+
+    Raises:
+        ValueError: naming ``name`` and what it accepts.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number above 0, got {value!r}")
+    return float(value)
 
 
 def batch_elements(batch: Any) -> tuple[int, int]:
@@ -137,7 +178,22 @@ class PeakForecast:
             line.hint = hints.get(name, batch_bytes) / elements
 
     def predict_peak_bytes(self, batch_size: int, elements_per_sample: float | None = None) -> int | None:
-        """The predicted step peak for ``batch_size`` samples (at the longest sample seen so far)."""
+        """The predicted step peak for ``batch_size`` samples (at the longest sample seen so far).
+
+        Args:
+            batch_size: samples in the batch, a positive integer.
+            elements_per_sample: input elements per sample (the sequence length, say); ``None``
+                uses the longest sample seen so far.
+
+        Returns:
+            The predicted peak in bytes, or ``None`` before any measured step.
+
+        Raises:
+            ValueError: if an argument is not a positive number.
+        """
+        batch_size = positive_int(batch_size, "batch_size")
+        if elements_per_sample is not None:
+            elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
         if not self._lines:
             return None
         x = batch_size * (elements_per_sample or self.elements_per_sample)
@@ -157,7 +213,23 @@ class PeakForecast:
         return self.predict_peak_bytes(2) - self.predict_peak_bytes(1)  # type: ignore[operator]
 
     def max_batch_size(self, budget_bytes: int, elements_per_sample: float | None = None) -> int | None:
-        """The largest batch whose predicted peak fits ``budget_bytes``; 0 if none does."""
+        """The largest batch whose predicted peak fits ``budget_bytes``.
+
+        Args:
+            budget_bytes: the memory the step may use, in bytes.
+            elements_per_sample: input elements per sample; ``None`` uses the longest seen so far.
+
+        Returns:
+            The batch size (0 if none fits, ``2**31 - 1`` if the peak does not grow with the batch),
+            or ``None`` before any measured step.
+
+        Raises:
+            ValueError: if an argument is not a positive number.
+        """
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a whole number of bytes, 0 or more, got {budget_bytes!r}")
+        if elements_per_sample is not None:
+            elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
         if not self._lines:
             return None
         per_sample = elements_per_sample or self.elements_per_sample
@@ -178,10 +250,26 @@ class PeakForecast:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._lines = {
-            name: _Line({int(k): int(v) for k, v in line["points"].items()}, float(line["hint"]))
-            for name, line in state.get("lines", {}).items()
-        }
-        self.samples_seen = int(state.get("samples_seen", 0))
-        self.elements_per_sample = float(state.get("elements_per_sample", 0.0))
-        self.largest_elements = int(state.get("largest_elements", 0))
+        """Restore what ``state_dict`` saved.
+
+        Raises:
+            ValueError: if ``state`` is not such a dict; nothing is changed then.
+        """
+        try:
+            lines = {
+                str(name): _Line({int(k): int(v) for k, v in line["points"].items()}, float(line["hint"]))
+                for name, line in state.get("lines", {}).items()
+            }
+            samples = int(state.get("samples_seen", 0))
+            per_sample = float(state.get("elements_per_sample", 0.0))
+            largest = int(state.get("largest_elements", 0))
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"the forecast's state must be a dict saved by PeakForecast.state_dict(), got {state!r:.80} ({error})"
+            ) from None
+        self._lines, self.samples_seen, self.elements_per_sample, self.largest_elements = (
+            lines,
+            samples,
+            per_sample,
+            largest,
+        )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -16,7 +18,6 @@ from lightning_memtenants.census import (
     ActivationTracker,
     TenantCounter,
     batch_tensors,
-    checkpointed_regions,
     optimizer_state_tensors,
 )
 from lightning_memtenants.formulas import (
@@ -30,21 +31,35 @@ from lightning_memtenants.formulas import (
 from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain_peak
 from lightning_memtenants.sources import MemorySource, Reading, source_for
 
-_TRACK_FROM = frozenset({"batch_start", "after_backward"})
-_TRACK_UNTIL = frozenset({"before_backward", "batch_end"})
+COMPILED_REASON = (
+    "torch.compile'd code ran in this process; its kernels allocate outside PyTorch's dispatcher, where the"
+    " live-tensor tracker cannot see them, so the tracker does not measure this run (the tenants stay exact; on"
+    " CUDA the allocator's counters see compiled code)"
+)
 
 
 class TenantMonitor:
     """Measures the four tenants and the memory source at named phases; builds a :class:`StepReport`.
 
-    Autograd's saved tensors are recorded from ``batch_start`` to ``before_backward`` and
-    again from ``after_backward`` (a second forward under manual optimization) to ``batch_end``.
-    The input batch is not counted as activations: it is resident whether or not autograd
-    saves it.
+    The activations are read at ``before_backward`` from the graph of the output handed to
+    that phase (the loss): what its nodes saved for backward, with no hook installed. The
+    input batch is not counted as activations: it is resident whether or not autograd saves it.
 
     ``source`` is ``"auto"`` (allocator counters on accelerators, the live-tensor tracker on
     CPU), a :class:`MemorySource`, or ``None`` for tenants only. Set ``measure = False``
     before a step's ``batch_start`` to skip a costly source for that step.
+
+    Args:
+        module: the model whose tenants are counted.
+        optimizers: its optimizers, whose state is the optimizer-state tenant.
+        track_activations: read the activations from the loss's graph.
+        source: the memory source for totals and peaks (see above).
+        device: the device trained on, for ``"auto"`` and for telling offloaded saved tensors
+            apart; ``None`` reads it from the module's first parameter or buffer, else the CPU.
+        warn: how a failed measurement is reported (once per part).
+
+    Raises:
+        ValueError: if ``source`` is none of the above.
 
     Example::
 
@@ -52,7 +67,7 @@ class TenantMonitor:
         for x, y in loader:
             monitor.phase("batch_start", batch=(x, y))
             loss = F.mse_loss(model(x), y)
-            monitor.phase("before_backward")
+            monitor.phase("before_backward", output=loss)
             loss.backward()
             monitor.phase("after_backward")
             monitor.phase("before_optimizer_step")
@@ -69,14 +84,18 @@ class TenantMonitor:
         *,
         track_activations: bool = True,
         source: MemorySource | str | None = "auto",
+        device: torch.device | str | None = None,
         warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
-        self.tracker = ActivationTracker()
-        if source == "auto":
-            device = next(chain(module.parameters(), module.buffers()), None)
-            source = source_for(device.device) if device is not None else MemorySource()
+        if device is None:
+            first = next(chain(module.parameters(), module.buffers()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.tracker = ActivationTracker(self.device.type)
+        if isinstance(source, str) and source == "auto":
+            source = source_for(self.device)
         elif source is None:
             source = MemorySource()
         elif not isinstance(source, MemorySource):
@@ -92,7 +111,12 @@ class TenantMonitor:
         self.parts: dict[str, Callable[[], int]] = {}
         # sentences about this run that every step's report carries (the precision, say)
         self.notes: list[str] = []
-        self._checkpointed = 0
+        # why the memory source does not measure this run, where it cannot (compiled code on CPU)
+        self.unmeasured_reason: str | None = None
+        if not self.source.sees_compiled_code and holds_compiled_code(module):
+            self.unmeasured_reason = COMPILED_REASON
+        self._step_notes: list[str] = []
+        self._graph = _no_graph()
         self._state_bytes: int | None = None
         self._state_signature: tuple[int, ...] = ()
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
@@ -109,11 +133,25 @@ class TenantMonitor:
         """The most recent phase measured, in this step or the one before."""
         return self._last
 
-    def phase(self, name: str, batch: Any = None) -> PhaseReport | None:
-        """Take the census at phase ``name``; ``batch_start`` opens a new micro-batch."""
-        if name not in PHASES:
+    def phase(self, name: str, batch: Any = None, output: Any = None) -> PhaseReport | None:
+        """Take the census at phase ``name``.
+
+        Args:
+            name: one of ``PHASES``; ``batch_start`` opens a new micro-batch.
+            batch: at ``batch_start``, the input batch, which is not counted as activations.
+            output: at ``before_backward``, the loss (or any output) whose graph holds what the
+                forward saved for backward; without it the activations are not measured.
+
+        Returns:
+            The phase's report, or ``None`` where the census is disabled.
+
+        Raises:
+            ValueError: if ``name`` is not a phase.
+        """
+        if not isinstance(name, str) or name not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
         if name == "batch_start":
+            self._fold_graph()
             self.tracker.clear()
             if not self._micro:
                 self._begin_step(batch)
@@ -122,10 +160,13 @@ class TenantMonitor:
                 self.guard("activations", self.tracker.ignore, batch_tensors(batch))
         elif not self._micro:
             self._micro.append({})
-        if name in _TRACK_UNTIL:
-            self.tracker.stop()
-        if self.tracker.error is not None and "activations" not in self.disabled:
-            self._disable("activations", self.tracker.error)
+        if name == "before_backward" and "activations" not in self.disabled:
+            if output is None:
+                self._step_note(
+                    "activations not measured: phase('before_backward') was given no output whose graph to read"
+                )
+            else:
+                self.observe_output(output)
         reading = Reading()
         if self._measuring:
             reading = self.guard("memory source", self.source.read) or Reading()
@@ -150,18 +191,56 @@ class TenantMonitor:
                 report = PhaseReport(name, tenants, *_fields(reading), parts_bytes=self._parts())
                 self._micro[-1][name] = report
                 self._last = report
-        if name in _TRACK_FROM and "activations" not in self.disabled:
-            self.guard("activations", self.tracker.start)
         return report
 
     def observe_output(self, output: Any) -> None:
-        """Note what the graph of ``output`` (the loss, before backward) says about activation checkpointing.
+        """Read what the graph of ``output`` saved for backward into the activations tenant.
 
-        It walks the autograd graph once, so the callback calls it on measured steps only.
+        ``phase("before_backward", output=loss)`` calls it; call it yourself for a second output
+        whose graph is separate (an auxiliary loss backwarded on its own). Nothing is unpacked,
+        so nothing is recomputed and the user's saved-tensor hooks are not called.
         """
-        if isinstance(output, Tensor):
-            regions = self.guard("checkpoint detection", checkpointed_regions, output)
-            self._checkpointed = max(self._checkpointed, regions or 0)
+        if "activations" in self.disabled:
+            return
+        self.guard("activations", self.tracker.observe, output)
+        if self.tracker.error is not None:
+            self._disable("activations", self.tracker.error)
+            return
+        if self._measuring:
+            self.guard("memory source", self.source.adopt, self.tracker.storages())
+        elif self.tracker.compiled and not self.source.sees_compiled_code and self.unmeasured_reason is None:
+            self.unmeasured_reason = COMPILED_REASON
+            self._warn(f"memtenants: {COMPILED_REASON}")
+            self._stop_source()
+
+    def observe_failure(self, error: BaseException) -> None:
+        """Read the graphs still held by the frames of ``error``'s traceback (an OOM inside the forward).
+
+        Before ``before_backward`` there is no loss to read; the frames from the training step down to
+        the operator that failed hold the forward's intermediate tensors, and their graphs hold what was
+        saved so far. Only a postmortem does this.
+        """
+        outputs: list[Any] = []
+        tb = error.__traceback__
+        while tb is not None:
+            outputs.extend(tb.tb_frame.f_locals.values())
+            tb = tb.tb_next
+        self.observe_output(outputs)
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches begun since the last ``end_step``."""
+        return len(self._micro)
+
+    def abandon_step(self) -> None:
+        """Drop a step that will never end (a batch Lightning skipped); its measurement stops here."""
+        self._micro = []
+        self._step_notes = []
+        self._graph = _no_graph()
+        self.tracker.clear()
+        if self._measuring and not self.source.every_step:
+            self.guard("memory source", self.source.pause)
+        self._measuring = False
 
     def _parts(self) -> dict[str, int]:
         parts = {}
@@ -175,21 +254,34 @@ class TenantMonitor:
                 parts[name] = value
         return parts
 
-    def end_step(self) -> StepReport | None:
-        """Close the optimizer step that the phases since the last call belong to."""
+    def end_step(self, step: int | None = None) -> StepReport | None:
+        """Close the optimizer step that the phases since the last call belong to.
+
+        Args:
+            step: the number the report carries (the trainer's global step); ``None`` counts the
+                steps this monitor has closed.
+
+        Returns:
+            The step's report, or ``None`` where no phase was measured.
+        """
         micro, self._micro = self._micro, []
-        self.tracker.stop()
+        self._fold_graph()
         self.tracker.clear()
         if self._measuring and not self.source.every_step:
             self.guard("memory source", self.source.pause)
         self._measuring = False
-        step = self.steps_done
+        number = self.steps_done if step is None else step
         self.steps_done += 1
+        step_notes = list(self.notes) + self._graph_notes() + self._step_notes
+        self._step_notes = []
         phases: dict[str, PhaseReport] = {}
         for batch_phases in micro:
             phases.update(batch_phases)
         if not phases:
             return None
+        if self.unmeasured_reason is not None:  # readings taken before we knew cannot be trusted either
+            micro = [{name: _unmeasured(p) for name, p in mb.items()} for mb in micro]
+            phases = {name: _unmeasured(p) for name, p in phases.items()}
         high = {t: max(p.tenants_bytes[t] for mb in micro for p in mb.values()) for t in TENANTS}
         last = phases.get("batch_end") or list(phases.values())[-1]
         measured = last.tenants_bytes
@@ -199,17 +291,12 @@ class TenantMonitor:
             checked = self.guard("fixed_cost", self._check_fixed, measured)
             if checked is not None:
                 expected, notes = checked
-        step_notes = list(self.notes)
-        if self._checkpointed:
-            step_notes.append(
-                f"activation checkpointing: {self._checkpointed} checkpointed region(s) keep only their inputs for"
-                " backward and recompute the rest, so the activations tenant is smaller than the forward's"
-            )
-            self._checkpointed = 0
         peak, peak_phase = _step_peak(micro)
         explanation = self.guard("peak explanation", self._explain_peak, phases, peak_phase, peak)
+        if peak is None and self.unmeasured_reason is not None:
+            explanation = f"peak not measured: {self.unmeasured_reason}"
         return StepReport(
-            step=step,
+            step=number,
             phases=phases,
             micro_batches=micro,
             tenants_bytes=high,
@@ -225,9 +312,10 @@ class TenantMonitor:
 
     def close(self) -> None:
         """Remove every hook and mode this monitor registered; safe to call more than once."""
-        self.tracker.stop()
         self.tracker.clear()
         self._micro = []
+        self._step_notes = []
+        self._graph = _no_graph()
         self._state_bytes = None
         self._measuring = False
         self.guard("memory source", self.source.stop)
@@ -243,10 +331,58 @@ class TenantMonitor:
             return None
 
     def _begin_step(self, batch: Any) -> None:
-        self._measuring = "memory source" not in self.disabled and (self.measure or self.source.every_step)
+        self._measuring = (
+            "memory source" not in self.disabled
+            and self.unmeasured_reason is None
+            and (self.measure or self.source.every_step)
+        )
         if self._measuring:
             self.guard("memory source", self.source.start, self._roots(batch))
             self._measuring = "memory source" not in self.disabled
+
+    def _stop_source(self) -> None:
+        """Stop the memory source for good, without calling it a failure (``unmeasured_reason`` says why)."""
+        self._measuring = False
+        with contextlib.suppress(Exception):
+            self.source.stop()
+
+    def _step_note(self, note: str) -> None:
+        if note not in self._step_notes:
+            self._step_notes.append(note)
+
+    def _fold_graph(self) -> None:
+        """Keep what the graph walk of the micro-batch just ended found, before the tracker forgets it."""
+        tracker, graph = self.tracker, self._graph
+        graph["checkpointed"] = max(graph["checkpointed"], tracker.checkpointed)
+        graph["hooked"] = max(graph["hooked"], tracker.hooked)
+        graph["opaque"] = max(graph["opaque"], tracker.opaque)
+        graph["offloaded"] = max(graph["offloaded"], tracker.offloaded_bytes)
+
+    def _graph_notes(self) -> list[str]:
+        graph, self._graph = self._graph, _no_graph()
+        notes = []
+        if graph["checkpointed"]:
+            notes.append(
+                f"activation checkpointing: {graph['checkpointed']} checkpointed region(s) keep only their inputs for"
+                " backward and recompute the rest, so the activations tenant is smaller than the forward's"
+            )
+        if graph["hooked"]:
+            text = (
+                f"saved-tensor hooks: your saved_tensors_hooks packed {graph['hooked']} saved tensor(s); the"
+                " activations tenant counts what the hook keeps (its packed tensors), read without unpacking"
+            )
+            if graph["offloaded"]:
+                text += (
+                    f"; {graph['offloaded']:,} bytes of them were moved off the {self.device.type} device (an offload"
+                    " such as save_on_cpu) and are not in the tenant"
+                )
+            if graph["opaque"]:
+                text += (
+                    f"; {graph['opaque']} were packed into objects that hold no tensor, whose bytes cannot be"
+                    " counted and are not in the tenant"
+                )
+            notes.append(text)
+        return notes
 
     def _roots(self, batch: Any) -> Iterator[Tensor]:
         params = list(self.module.parameters())
@@ -284,7 +420,7 @@ class TenantMonitor:
     def _disable(self, part: str, error: BaseException) -> None:
         self.disabled.add(part)
         if part == "activations":
-            self.tracker.stop()
+            self.tracker.clear()
         if part == "memory source":
             self._measuring = False
             with contextlib.suppress(Exception):
@@ -292,6 +428,25 @@ class TenantMonitor:
         self._warn(
             f"memtenants: measuring {part} failed ({type(error).__name__}: {error}); {part} is disabled from now on"
         )
+
+
+def holds_compiled_code(module: nn.Module) -> bool:
+    """Whether ``module`` holds ``torch.compile``'d parts: an ``OptimizedModule``, ``Module.compile()``,
+    or Lightning's record of a compiled LightningModule (``_compiler_ctx``)."""
+    for sub in module.modules():
+        if type(sub).__name__ == "OptimizedModule" or getattr(sub, "_compiler_ctx", None) is not None:
+            return True
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            return True
+    return False
+
+
+def _no_graph() -> dict[str, int]:
+    return {"checkpointed": 0, "hooked": 0, "opaque": 0, "offloaded": 0}
+
+
+def _unmeasured(phase: PhaseReport) -> PhaseReport:
+    return dataclasses.replace(phase, allocated_bytes=None, window_peak_bytes=None, reserved_bytes=None)
 
 
 def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:

@@ -32,6 +32,12 @@ class MemorySource:
 
     name = "none"
     every_step = True
+    # whether allocations made by torch.compile'd kernels show in this source's figures
+    sees_compiled_code = True
+
+    def __init__(self) -> None:
+        # the highest allocated bytes this source has seen since it was made
+        self.run_peak_bytes: int | None = None
 
     @property
     def status(self) -> str:
@@ -50,17 +56,89 @@ class MemorySource:
     def stop(self) -> None:
         """Remove everything the source registered."""
 
+    def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Storages found alive by other means (the graph's saved tensors), in case the source missed them.
+
+        A counting source ignores this; the tracker counts those made outside the dispatcher (the 0-d
+        tensor autograd keeps for ``loss / 2``, the outputs of compiled code) from now on.
+        """
+
     def total_bytes(self) -> int | None:
         """The device's capacity, where the source knows it."""
         return None
 
+    def _saw(self, nbytes: int | None) -> None:
+        if nbytes is not None and (self.run_peak_bytes is None or nbytes > self.run_peak_bytes):
+            self.run_peak_bytes = nbytes
 
-class CudaSource(MemorySource):
-    """The CUDA caching allocator's counters: ``memory_allocated`` and a reset peak per window."""
+
+class _PeakCounters(MemorySource):
+    """An allocator's counters: allocated bytes, and the peak since the last reset of the peak counter.
+
+    With ``reset_peaks`` (the default) the peak counter is reset at every phase boundary, so each
+    window's peak is exact; that also resets it for every other reader in the process (a script's own
+    ``max_memory_allocated()``), so the run's highest reading, including what the counter held when
+    we first reset it, is kept in ``run_peak_bytes``. Without it the counter is left alone, and a
+    window's peak is known only where the counter rose in that window (it set a new high).
+    """
+
+    def __init__(self, reset_peaks: bool = True) -> None:
+        super().__init__()
+        self.reset_peaks = reset_peaks
+        self._started = False
+        self._last_max = 0
+
+    def _counters(self) -> tuple[int, int, int | None] | None:
+        """(allocated, max allocated, reserved) now, or None where the device is absent."""
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def start(self, roots: Iterable[Tensor] = ()) -> None:
+        counters = self._counters()
+        if counters is None:
+            return
+        if not self._started:
+            self._started = True
+            self._saw(counters[1])
+        if self.reset_peaks:
+            self._reset()
+        else:
+            self._last_max = counters[1]
+
+    def read(self) -> Reading:
+        counters = self._counters()
+        if counters is None:
+            return Reading()
+        allocated, peak, reserved = counters
+        if self.reset_peaks:
+            window: int | None = max(peak, allocated)
+            self._reset()
+        else:
+            window = peak if peak > self._last_max else None
+            self._last_max = max(self._last_max, peak)
+        self._saw(window if window is not None else allocated)
+        return Reading(allocated, window, reserved)
+
+    @property
+    def _how(self) -> str:
+        return "" if self.reset_peaks else " (peak counter not reset: a window's peak only where it set a new high)"
+
+
+class CudaSource(_PeakCounters):
+    """The CUDA caching allocator's counters: ``memory_allocated`` and a peak per window.
+
+    Args:
+        device: the CUDA device; ``None`` is the current one.
+        reset_peaks: reset ``max_memory_allocated`` at every phase boundary (exact window peaks)
+            or leave it to the rest of the process (see ``run_peak_bytes``).
+    """
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | int | str | None = None) -> None:
+    def __init__(self, device: torch.device | int | str | None = None, *, reset_peaks: bool = True) -> None:
+        super().__init__(reset_peaks)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
 
     @property
@@ -69,20 +147,19 @@ class CudaSource(MemorySource):
 
     @property
     def status(self) -> str:
-        return "cuda allocator counters" if self.available else "not available: this torch has no CUDA device"
-
-    def start(self, roots: Iterable[Tensor] = ()) -> None:
-        if self.available:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def read(self) -> Reading:
         if not self.available:
-            return Reading()
-        allocated = torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
+            return "not available: this torch has no CUDA device"
+        return "cuda allocator counters" + self._how
+
+    def _counters(self) -> tuple[int, int, int | None] | None:
+        if not self.available:
+            return None
+        allocated = int(torch.cuda.memory_allocated(self.device))
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        return allocated, peak, int(torch.cuda.memory_reserved(self.device))
+
+    def _reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-        return Reading(allocated, max(peak, allocated), reserved)
 
     def total_bytes(self) -> int | None:
         if not self.available:
@@ -90,12 +167,13 @@ class CudaSource(MemorySource):
         return int(torch.cuda.mem_get_info(self.device)[1])
 
 
-class AcceleratorSource(MemorySource):
+class AcceleratorSource(_PeakCounters):
     """``torch.accelerator``'s device-generic counters (XPU and others), where they exist."""
 
     name = "accelerator"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, reset_peaks: bool = True) -> None:
+        super().__init__(reset_peaks)
         self.device = device
         api = getattr(torch, "accelerator", None)
         needed = ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats")
@@ -103,20 +181,19 @@ class AcceleratorSource(MemorySource):
 
     @property
     def status(self) -> str:
-        return f"torch.accelerator counters on {self.device}" if self._api else "not measured"
+        return f"torch.accelerator counters on {self.device}{self._how}" if self._api else "not measured"
 
-    def start(self, roots: Iterable[Tensor] = ()) -> None:
-        if self._api is not None:
-            self._api.reset_peak_memory_stats(self.device)
-
-    def read(self) -> Reading:
+    def _counters(self) -> tuple[int, int, int | None] | None:
         if self._api is None:
-            return Reading()
+            return None
         allocated = int(self._api.memory_allocated(self.device))
         peak = int(self._api.max_memory_allocated(self.device))
         reserved = int(self._api.memory_reserved(self.device)) if hasattr(self._api, "memory_reserved") else None
+        return allocated, peak, reserved
+
+    def _reset(self) -> None:
+        assert self._api is not None
         self._api.reset_peak_memory_stats(self.device)
-        return Reading(allocated, max(peak, allocated), reserved)
 
     def total_bytes(self) -> int | None:
         if self._api is None or not hasattr(self._api, "get_memory_info"):
@@ -145,6 +222,7 @@ class TrackerSource(MemorySource):
 
     name = "tracker"
     every_step = False
+    sees_compiled_code = False  # inductor's kernels allocate outside the dispatcher
 
     def __init__(
         self,
@@ -155,7 +233,9 @@ class TrackerSource(MemorySource):
         host_ops: frozenset[str] = frozenset(),
         label: str | None = None,
         allocator: Any = None,
+        count_fake: bool = False,
     ) -> None:
+        super().__init__()
         self.label = label
         self.tracker = LiveTensorTracker(
             device_type,
@@ -163,6 +243,7 @@ class TrackerSource(MemorySource):
             limit_bytes=limit_bytes,
             host_ops=host_ops,
             allocator=allocator,
+            count_fake=count_fake,
         )
 
     @property
@@ -178,6 +259,7 @@ class TrackerSource(MemorySource):
         if not self.tracker.active:
             return Reading()
         allocated, peak = self.tracker.read()
+        self._saw(peak)
         allocator = self.tracker.allocator
         return Reading(allocated, peak, allocator.reserved_bytes if allocator is not None else None)
 
@@ -187,14 +269,27 @@ class TrackerSource(MemorySource):
     def stop(self) -> None:
         self.tracker.stop()
 
+    def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        if self.tracker.active:
+            self.tracker.adopt(storages)
 
-def source_for(device: torch.device | str) -> MemorySource:
-    """The best source for ``device``: allocator counters where they exist, else the tracker."""
+
+def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> MemorySource:
+    """The best source for ``device``: allocator counters where they exist, else the tracker.
+
+    Args:
+        device: the device trained on.
+        reset_peaks: on CUDA and other accelerators, whether the peak counter is reset at each
+            phase boundary (see :class:`CudaSource`).
+
+    Returns:
+        The source; a :class:`MemorySource` that measures nothing where the device is absent.
+    """
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaSource(device) if torch.cuda.is_available() else MemorySource()
+        return CudaSource(device, reset_peaks=reset_peaks) if torch.cuda.is_available() else MemorySource()
     if device.type in ("cpu", "meta"):
         return TrackerSource(device.type)
     if device.type == "mps":
         return MpsSource()
-    return AcceleratorSource(device)
+    return AcceleratorSource(device, reset_peaks=reset_peaks)

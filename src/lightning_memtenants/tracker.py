@@ -5,6 +5,12 @@ reference with a callback takes it off again when it is freed. Storages that alr
 existed are found once by a ``gc`` scan, plus any roots the caller names (gradients held
 only by C++, say). It costs a Python call per operator, so the callback runs it on logging
 steps unless asked otherwise.
+
+The tracker shares the process with the user's own modes and patches, so it composes:
+its mode asks ``torch.compile`` to leave it out of compilation (``ignore_compile_internals``)
+rather than making Dynamo skip the frame, it leaves the mode stack as it found it even when
+the user's mode sits above it, and its ``UntypedStorage.resize_`` wrapper calls whatever was
+installed before and puts it back. Fake and meta tensors are never counted as real memory.
 """
 
 from __future__ import annotations
@@ -34,40 +40,105 @@ def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
         yield from storages_of(tensor)
 
 
-def _live_tensors() -> list[Tensor]:
+def _fake_tensor_type() -> type | None:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return FakeTensor
+
+
+_FAKE = _fake_tensor_type()
+
+
+def _is_fake(tensor: Tensor) -> bool:
+    """A fake or meta tensor: shapes without memory (inductor leaves fakes alive after compiling)."""
+    return (_FAKE is not None and isinstance(tensor, _FAKE)) or tensor.is_meta
+
+
+def _live_tensors(count_fake: bool = False) -> list[Tensor]:
     """Every tensor the garbage collector knows of; the type filter runs in C, not per object."""
     objects = gc.get_objects()
-    types = {tp for tp in set(map(type, objects)) if issubclass(tp, Tensor)}
+    types = {
+        tp
+        for tp in set(map(type, objects))
+        if issubclass(tp, Tensor) and (count_fake or _FAKE is None or not issubclass(tp, _FAKE))
+    }
     return list(compress(objects, map(types.__contains__, map(type, objects))))
 
 
 _following: list[LiveTensorTracker] = []
+# The wrapper we installed over ``UntypedStorage.resize_``: (wrapper, previous was in the class's dict, previous).
+_installed: list[tuple[Any, bool, Any]] = []
 
 
-def _resize_(storage: torch.UntypedStorage, size: int) -> Any:
-    """``UntypedStorage.resize_`` while a tracker runs: FSDP2 frees and re-allocates its gathered
-    parameters this way, outside the dispatcher, so the trackers re-read the storage's size."""
-    out = torch._C.StorageBase.resize_(storage, size)
-    for tracker in _following:
-        tracker.resized(storage)
-    return out
+def _resize_wrapper(previous: Any) -> Any:
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = previous(storage, size)
+        for tracker in _following:
+            tracker.resized(storage)
+        return out
+
+    resize_.__doc__ = (
+        "``UntypedStorage.resize_`` while a tracker runs: FSDP2 frees and re-allocates its gathered parameters"
+        " this way, outside the dispatcher, so the trackers re-read the storage's size. It calls the method that"
+        " was installed before it (the user's patch, MemTracker's), so both run."
+    )
+    return resize_
 
 
 def _follow_resizes(tracker: LiveTensorTracker, on: bool) -> None:
     if on and tracker not in _following:
-        if not _following:
-            torch.UntypedStorage.resize_ = _resize_  # type: ignore[method-assign]
+        if not _installed:
+            own = "resize_" in torch.UntypedStorage.__dict__
+            previous = torch.UntypedStorage.resize_
+            wrapper = _resize_wrapper(previous)
+            _installed.append((wrapper, own, previous))
+            torch.UntypedStorage.resize_ = wrapper  # type: ignore[method-assign]
         _following.append(tracker)
     elif not on and tracker in _following:
         _following.remove(tracker)
-        if not _following:
-            del torch.UntypedStorage.resize_
+        if not _following and _installed:
+            wrapper, own, previous = _installed.pop()
+            if torch.UntypedStorage.__dict__.get("resize_") is wrapper:
+                if own:
+                    torch.UntypedStorage.resize_ = previous  # type: ignore[method-assign]
+                else:
+                    del torch.UntypedStorage.resize_
+            # else someone patched over ours since: it stays in their chain, calling only the method before it
+
+
+def _exit_mode(mode: TorchDispatchMode) -> None:
+    """Leave ``mode``, also when another mode was entered above it and is still active.
+
+    ``TorchDispatchMode.__exit__`` pops the top of the stack, whatever it is; so the modes above
+    ours are lifted off, ours leaves, and they go back in their order, untouched.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+
+    above: list[TorchDispatchMode] = []
+    while _get_current_dispatch_mode() not in (mode, None):
+        above.append(_pop_mode())
+    try:
+        if _get_current_dispatch_mode() is mode:
+            mode.__exit__(None, None, None)
+    finally:
+        for other in reversed(above):
+            _push_mode(other)
 
 
 class _Mode(TorchDispatchMode):
+    """Registers what every operator returns; compiled code runs under it untraced, so Dynamo compiles as usual."""
+
     def __init__(self, tracker: LiveTensorTracker) -> None:
         super().__init__()
         self.tracker = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A mode that does not say this makes Dynamo skip (and remember skipping) every frame it
+        # meets, which would silently turn the user's torch.compile off.
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -117,8 +188,11 @@ class LiveTensorTracker:
         limit_bytes: int | None = None,
         host_ops: frozenset[str] = frozenset(),
         allocator: Any = None,
+        count_fake: bool = False,
     ) -> None:
         self.device_type = device_type
+        # a prediction counts fake tensors as the memory they stand for; a real run never does
+        self.count_fake = count_fake
         # a model of a caching allocator (``malloc(key, nbytes) -> block bytes``, ``free(key)``)
         self.allocator = allocator
         # operators whose outputs stand for host memory in a model of another device, never counted
@@ -147,7 +221,7 @@ class LiveTensorTracker:
         """Begin following allocations; the first start also scans for tensors that already exist."""
         if self.scan and not self._scanned:
             self._scanned = True
-            self.register(_live_tensors())
+            self.register(_live_tensors(self.count_fake))
         self.register(roots)
         for ref, _ in list(self._live.values()):
             storage = ref()
@@ -164,7 +238,7 @@ class LiveTensorTracker:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             _follow_resizes(self, False)
-            mode.__exit__(None, None, None)
+            _exit_mode(mode)
 
     def stop(self) -> None:
         """Stop and forget everything; a later start scans again."""
@@ -192,9 +266,17 @@ class LiveTensorTracker:
         for tensor in tensors:
             self.add(tensor)
 
+    def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Count storages found by other means that the dispatcher never showed (made in C++ or compiled code)."""
+        for storage in storages:
+            if self.device_type is None or storage.device.type == self.device_type or self.count_fake:
+                self._add_storage(storage)
+
     def add(self, tensor: Tensor) -> None:
         """Count the storage behind one tensor (or the storages inside a wrapper subclass)."""
         if self.device_type is not None and tensor.device.type != self.device_type:
+            return
+        if type(tensor) is not Tensor and not self.count_fake and _is_fake(tensor):
             return
         if tensor.layout is torch.strided and (type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor)):
             self._add_storage(tensor.untyped_storage())
