@@ -6,7 +6,9 @@ measured to ``OUT/rank<r>.json``; rank zero also writes what its logger received
 Modes: ``ddp`` (Adam; then ZeroRedundancyOptimizer with gradient_as_bucket_view=True, in a second fit),
 ``fsdp`` (FSDP2 ``fully_shard`` through Lightning's ModelParallelStrategy, which runs on CPU with gloo),
 ``fault`` (the census fails on rank 1 only: both ranks must finish), ``crash`` (rank 1's training_step
-raises: the run must end, not hang).
+raises: the run must end, not hang), ``oom-one`` and ``oom-both`` (``torch.OutOfMemoryError`` on rank 1, or
+on both: the run ends and each failing rank writes its own postmortem), ``oom-plain`` (``oom-one`` without the
+callback, to time against).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from lightning_memtenants.census import TenantCounter
 class Net(L.LightningModule):
     """Linear(32, 64), Tanh, Linear(64, 16): 3,152 parameters. Rank r trains on 2 + 2r samples of each batch."""
 
-    def __init__(self, zero: bool = False, crash: bool = False, fsdp: bool = False) -> None:
+    def __init__(self, zero: bool = False, crash: bool = False, fsdp: bool = False, oom: str = "") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
-        self.zero, self.crash, self.fsdp = zero, crash, fsdp
+        self.zero, self.crash, self.fsdp, self.oom = zero, crash, fsdp, oom
 
     def configure_model(self) -> None:
         """FSDP2 through Lightning's ModelParallelStrategy: each Linear is a unit, sharded over the 2 ranks."""
@@ -54,7 +56,11 @@ class Net(L.LightningModule):
         if self.crash and self.global_rank == 1 and batch_idx == 2:
             raise RuntimeError("rank 1 fails on purpose")
         x = batch[0][: 2 + 2 * self.global_rank]
-        return self.net(x).pow(2).mean()
+        loss = self.net(x).pow(2).mean()
+        if self.oom and batch_idx == 2 and (self.oom == "both" or self.global_rank == 1):
+            # out of memory in the forward of one rank, while the other goes on into backward's allreduce
+            raise torch.OutOfMemoryError(f"CUDA out of memory on rank {self.global_rank} (injected)")
+        return loss
 
     def configure_optimizers(self) -> Any:
         if self.zero:
@@ -65,9 +71,15 @@ class Net(L.LightningModule):
 
 
 def fit(
-    zero: bool = False, crash: bool = False, gradient_as_bucket_view: bool = False, fsdp: bool = False
+    zero: bool = False,
+    crash: bool = False,
+    gradient_as_bucket_view: bool = False,
+    fsdp: bool = False,
+    oom: str = "",
+    out: Path | None = None,
+    ours: bool = True,
 ) -> tuple[MemoryTenantsCallback, RecordingLogger]:
-    cb = MemoryTenantsCallback(print_summary=False)
+    cb = MemoryTenantsCallback(print_summary=False, postmortem_dir=out)
     logger = RecordingLogger()
     strategy = (
         ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -81,13 +93,13 @@ def fit(
         max_steps=4,
         log_every_n_steps=2,
         logger=logger,
-        callbacks=[cb],
+        callbacks=[cb] if ours else [],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
-    trainer.fit(Net(zero, crash, fsdp), DataLoader(data, batch_size=8))
+    trainer.fit(Net(zero, crash, fsdp, oom), DataLoader(data, batch_size=8))
     return cb, logger
 
 
@@ -128,6 +140,9 @@ def main() -> None:
 
         TenantCounter.count = failing  # type: ignore[method-assign]
     results: dict[str, Any] = {}
+    if mode.startswith("oom"):  # oom-one, oom-both, oom-plain (rank 1, without the callback): the run must end
+        # the postmortem goes to the default directory, the one ``trainer.log_dir`` names (here the working one)
+        fit(oom="one" if mode == "oom-plain" else mode.removeprefix("oom-"), ours=mode != "oom-plain")
     cb, logger = fit(crash=mode == "crash", fsdp=mode == "fsdp")
     rank = torch.distributed.get_rank()
     results["ddp"] = summary(cb, logger) if cb.latest is not None else {"latest": None, "logged": logger.logged}

@@ -4,6 +4,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_memtenants.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -13,6 +18,21 @@ def memtenants(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         [sys.executable, "-m", "lightning_memtenants", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str]) -> Any:
+    """The command in this process (a new one costs seconds of imports): returns code, stdout and stderr."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = int(exit.code or 0)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
 
 
 def test_predict_prints_the_desk_and_writes_json(tmp_path: Path) -> None:
@@ -42,7 +62,7 @@ def test_console_script_is_the_same_entry_point() -> None:
     assert "--precision" in run.stdout and "--budget" in run.stdout
 
 
-def test_bad_arguments_exit_2_with_one_line(tmp_path: Path) -> None:
+def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, cli: Any) -> None:
     cases = [
         (("predict", f"{GPT}:TinyGPT", "--precision", "fp8"), "--precision"),
         (("predict", f"{GPT}:TinyGPT", "--budget", "12XB"), "--budget"),
@@ -55,7 +75,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path) -> None:
         (("predict", f"{GPT}:TinyGPT", "--gpu", "A6000"), "--gpu needs --target cuda"),
     ]
     for args, expected in cases:
-        run = memtenants(*args)
+        run = cli(*args)
         assert run.returncode == 2, (args, run.stderr)
         assert expected in run.stderr, (args, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
@@ -85,3 +105,97 @@ def test_predict_for_a_gpu(tmp_path: Path) -> None:
     after_backward = document["report"]["phases"]["after_backward"]
     assert after_backward["parts_bytes"]["cublas_workspace"] == 2 * 32 * 2**20
     assert after_backward["reserved_bytes"] >= after_backward["allocated_bytes"]
+
+
+USER_MODULE = """
+import torch
+from torch import nn
+import lightning as L
+
+
+class Model(L.LightningModule):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.net = nn.Linear(width, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def example_batch(self, batch_size, seq_len=None):
+        return (torch.randn(batch_size, 8),)
+
+
+class ReturnsNone(Model):
+    def example_batch(self, batch_size, seq_len=None):
+        return None
+
+
+class ReturnsText(Model):
+    def example_batch(self, batch_size, seq_len=None):
+        return "tokens"
+
+
+class WrongShape(Model):
+    def example_batch(self, batch_size, seq_len=None):
+        return (torch.randn(batch_size, 3),)
+
+
+class Raises(Model):
+    def example_batch(self, batch_size, seq_len=None):
+        raise RuntimeError("no data here")
+
+
+class NoSeqLen(Model):
+    def example_batch(self, batch_size):
+        return (torch.randn(batch_size, 8),)
+"""
+
+
+@pytest.fixture()
+def user_module(tmp_path: Path) -> str:
+    path = tmp_path / "user_models.py"
+    path.write_text(USER_MODULE)
+    return str(path)
+
+
+def test_every_bad_input_is_one_line_naming_it(tmp_path: Path, user_module: str, cli: Any) -> None:
+    cases = [
+        ((f"{user_module}:Model", "--json", str(tmp_path / "missing" / "r.json")), "--json: the directory"),
+        ((f"{user_module}:Model", "--json", ""), "--json must be a file path or '-'"),
+        ((f"{user_module}:Model", "--json", str(tmp_path)), "is a directory"),
+        ((f"{GPT}:TinyGPT", "--init", '{"n_layr": 2}'), "unexpected keyword argument 'n_layr'"),
+        ((f"{user_module}:ReturnsNone",), "ReturnsNone.example_batch(1) must return the batch for training_step"),
+        ((f"{user_module}:ReturnsText",), "got 'tokens'"),
+        ((f"{user_module}:NoSeqLen", "--seq-len", "4"), "--seq-len: NoSeqLen.example_batch takes no seq_len argument"),
+        (("torch.nn:Linear",), "torch.nn:Linear cannot be built with --init {}"),
+        (("json:loads",), "json:loads cannot be built with --init {}"),
+        (("json:JSONDecoder",), "json:JSONDecoder is a class but not an nn.Module"),
+    ]
+    for args, expected in cases:
+        run = cli("predict", *args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert expected in run.stderr, (args, run.stderr)
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert run.stdout == "", args  # found before anything was printed
+
+
+def test_the_user_s_own_failures_show_their_frames_not_ours(tmp_path: Path, user_module: str, cli: Any) -> None:
+    (tmp_path / "interrupts.py").write_text("raise KeyboardInterrupt\n")
+    cases = [
+        ((f"{GPT}:TinyGPT", "--init", '{"n_layer": "2"}'), "building", "TypeError: 'str' object cannot be"),
+        ((f"{user_module}:Raises",), "Raises.example_batch(1) failed", "RuntimeError: no data here"),
+        ((f"{user_module}:WrongShape",), "the training step at batch size 1", "RuntimeError: a and b must have"),
+        ((f"{GPT}:TinyGPT", "--seq-len", "100000"), "TinyGPT.example_batch(1, 100000) failed", "ValueError: seq_len"),
+        ((f"{tmp_path / 'interrupts.py'}:Model",), "cannot import", "KeyboardInterrupt"),
+    ]
+    for args, first, last in cases:
+        run = cli("predict", *args)
+        assert run.returncode == 2, (args, run.stderr)
+        lines = run.stderr.strip().splitlines()
+        assert first in lines[0] and lines[-1].startswith(last), (args, run.stderr)
+        assert "lightning_memtenants" not in run.stderr and "site-packages" not in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+        assert any(line.strip().startswith("File ") for line in lines[1:-1]), run.stderr  # the user's own lines

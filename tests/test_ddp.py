@@ -137,3 +137,41 @@ def test_fsdp2_on_cpu_holds_16p_over_n_per_rank(tmp_path: Path) -> None:
         assert phases["before_backward"][1] - phases["batch_start"][0] == 2 * unit + (2 + 2 * rank) * 64 * 4
         assert "mostly FSDP's gathered parameters: the largest unit is" in result["measured"]["explanation"]
         assert f"the largest unit is {unit:,} bytes unsharded" in result["notes"][0]
+
+
+def test_one_rank_out_of_memory_ends_the_run_as_fast_as_without_us(tmp_path: Path) -> None:
+    """Rank 1 runs out of memory in its forward while rank 0 waits in backward's allreduce. The postmortem
+    must not call a collective (``trainer.log_dir`` is a broadcast): the run ends, it does not hang."""
+    import time
+
+    times = {}
+    for mode in ("oom-plain", "oom-one"):
+        out = tmp_path / mode
+        out.mkdir()
+        began = time.perf_counter()
+        done = launch(mode, out, timeout=120)
+        times[mode] = time.perf_counter() - began
+        assert done.returncode != 0 and "CUDA out of memory on rank 1 (injected)" in done.stderr
+    assert times["oom-one"] < times["oom-plain"] + 30, times
+    assert sorted(p.name for p in (tmp_path / "oom-one").iterdir()) == [
+        "memtenants_oom_rank1.json",
+        "memtenants_oom_rank1.txt",
+    ]
+    record = json.loads((tmp_path / "oom-one" / "memtenants_oom_rank1.json").read_text())
+    assert record["rank"] == 1 and record["step"] == 2 and record["phase"] == "forward"
+    # rank 1's forward of 4 samples had saved its Tanh output (64 a sample) and its output (16) when it failed
+    assert record["tenants_at_failure_bytes"]["activations"] == 4 * (64 + 16) * 4
+
+
+def test_each_failing_rank_writes_its_own_postmortem(tmp_path: Path) -> None:
+    done = launch("oom-both", tmp_path, timeout=120)
+    assert done.returncode != 0
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"memtenants_oom_rank{rank}.json").read_text())
+        assert record["rank"] == rank
+        assert record["error"] == f"OutOfMemoryError: CUDA out of memory on rank {rank} (injected)"
+        assert (
+            (tmp_path / f"memtenants_oom_rank{rank}.txt")
+            .read_text()
+            .startswith(f"memtenants OOM postmortem: step 2, rank {rank}, OutOfMemoryError")
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import traceback
 import warnings
@@ -280,3 +281,202 @@ def test_a_tracker_failure_inside_an_operator_never_reaches_the_operator(monkeyp
     assert isinstance(source.tracker.error, ZeroDivisionError)
     with pytest.raises(RuntimeError, match="the tracker failed inside an operator"):
         source.read()  # the monitor's guard turns this into one warning and disables the source
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Real programs, item by item: reuse, optimizers Lightning never sees, skipped batches, two instances, any batch,
+# global step numbers, modules without parameters, the CUDA peak counter.
+
+
+def big_loader(n: int = 64, batch_size: int = 8) -> DataLoader:
+    return DataLoader(
+        TensorDataset(torch.randn(n, 6, generator=torch.Generator().manual_seed(2))), batch_size=batch_size
+    )
+
+
+def test_one_callback_across_two_trainers_starts_each_fit_afresh() -> None:
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    make_trainer([cb], steps=8).fit(Net(), big_loader(batch_size=8))
+    assert cb.forecast.largest_elements == 8 * 6 and cb.leaks.state_dict()["seen"] == 8
+    make_trainer([cb], steps=3).fit(Net(), loader())
+    # the second fit's forecast knows only its own batches of 2, and its leak baseline only its own 3 steps
+    assert cb.forecast.largest_elements == 2 * 6 and cb.forecast.sizes_seen == 1
+    assert cb.leaks.state_dict()["seen"] == 3
+
+
+class RawOptimizer(Net):
+    """Manual optimization whose optimizer Lightning never wraps: ``self.optimizers(use_pl_optimizer=False)``."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        loss = self.net(batch[0]).pow(2).mean()
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class HiddenOptimizer(Net):
+    """Manual optimization with an optimizer of its own; ``configure_optimizers`` gives Lightning none."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.hidden = torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).pow(2).mean()
+        self.manual_backward(loss)
+        self.hidden.step()
+        self.hidden.zero_grad()
+
+    def configure_optimizers(self):
+        return None
+
+
+@pytest.mark.parametrize("module", [RawOptimizer, HiddenOptimizer])
+def test_a_step_ends_at_batch_end_when_lightning_sees_no_optimizer_step(monkeypatch, module) -> None:
+    starts = []
+    start = TrackerSource.start
+    monkeypatch.setattr(TrackerSource, "start", lambda self, roots=(): starts.append(1) or start(self, roots))
+    cb = MemoryTenantsCallback(print_summary=False, log_every_n_steps=5)
+    reports = []
+
+    class Collect(L.Callback):
+        def on_train_batch_end(self, *args) -> None:
+            reports.append(cb.latest)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # configure_optimizers returned None
+        # Lightning counts no global step here, so max_steps never ends the fit: 2 epochs of 12 batches do
+        make_trainer([cb, Collect()], steps=-1, max_epochs=2).fit(module(), big_loader(n=48, batch_size=4))
+    assert [r.step for r in reports] == list(range(24))
+    assert all(len(r.micro_batches) == 1 for r in reports)
+    assert len(starts) == 5  # the tracker ran on the logging steps only
+    assert [r.step for r in reports if r.peak_bytes is not None] == [0, 5, 10, 15, 20]
+    last = reports[-1]
+    assert last.tenants_bytes["weights"] == last.tenants_bytes["gradients"] == 129 * 4
+    assert last.phases["batch_end"].tenants_bytes["gradients"] == 0  # the step zeroes them itself
+    # Adam's state is counted where Lightning knows the optimizer; SGD without momentum keeps none
+    assert last.tenants_bytes["optimizer_state"] == (129 * 8 + 4 * 4 if module is RawOptimizer else 0)
+    assert nothing_registered()
+
+
+class SkipsABatch(Net):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 0 and batch_idx == 1 else None
+
+
+def test_a_batch_skipped_by_on_train_batch_start_leaves_no_mode_behind() -> None:
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_epoch_start(self, *args) -> None:
+            seen.append(_current_mode())
+
+        def on_validation_start(self, *args) -> None:
+            seen.append(_current_mode())
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
+
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    trainer = make_trainer([cb, Watch()], steps=10, max_epochs=2, limit_val_batches=1)
+    trainer.fit(SkipsABatch(), loader(), loader())
+    assert seen == [None] * len(seen) and len(seen) >= 3
+    # epoch 0 stepped once before the skip; every report holds one batch, none holds the skipped one
+    assert trainer.global_step == 1 + 8
+    assert len(cb.latest.micro_batches) == 1 and cb.latest.step == 8
+    assert nothing_registered()
+
+
+def test_two_differently_set_up_instances_share_a_trainer_and_its_checkpoints(tmp_path) -> None:
+    every, default = (
+        MemoryTenantsCallback(print_summary=False, track_every_step=True),
+        MemoryTenantsCallback(print_summary=False),
+    )
+    assert every.state_key != default.state_key
+    trainer = make_trainer([every, default], steps=4, log_every_n_steps=2, default_root_dir=tmp_path)
+    trainer.fit(Net(), loader())
+    assert every.latest.step == default.latest.step == 3
+    assert every.latest.peak_bytes is not None and default.latest.peak_bytes is None  # step 3 is not logged
+    assert every.latest.tenants_bytes == default.latest.tenants_bytes
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    states = torch.load(tmp_path / "two.ckpt", weights_only=False)["callbacks"]
+    assert {every.state_key, default.state_key} <= set(states)
+    assert states[every.state_key]["leaks"]["seen"] == 4 and states[default.state_key]["leaks"]["seen"] == 2
+
+
+@dataclasses.dataclass
+class Tagged:
+    x: torch.Tensor
+    source: str
+
+
+class Opaque:
+    """A batch type of the user's own that holds its tensor in an attribute."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class AnyBatch(Net):
+    def training_step(self, batch, batch_idx):
+        if isinstance(batch, dict):  # no tensor at all: the step makes its own
+            x = torch.randn(2, 6, generator=torch.Generator().manual_seed(batch_idx))
+        else:
+            x = batch.x
+        return self.net(x).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda x: Tagged(x, "train"), Opaque, lambda x: {"text": ["a", "b"]}],
+    ids=["dataclass", "object", "no-tensor"],
+)
+def test_any_valid_batch_trains_without_a_warning(make) -> None:
+    data = [make(torch.randn(2, 6, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True, budget_bytes="1GiB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], steps=4).fit(AnyBatch(), DataLoader(data, batch_size=None))
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "memtenants" in m or "batch_size" in m or "batch size" in m], messages
+    assert cb.latest.step == 3 and cb.latest.peak_bytes is not None
+    sized = isinstance(data[0], Tagged)
+    assert cb.forecast.ready is sized  # a batch we cannot size gives the forecast no data point, and no warning
+    if sized:
+        assert cb.forecast.largest_elements == 12
+
+
+def test_step_numbers_are_the_trainer_s_global_step_after_a_resume(tmp_path) -> None:
+    first = MemoryTenantsCallback(print_summary=False)
+    trainer = make_trainer([first], steps=15, max_epochs=-1, default_root_dir=tmp_path)
+    trainer.fit(Net(), loader())
+    trainer.save_checkpoint(tmp_path / "at15.ckpt")
+    resumed = MemoryTenantsCallback(print_summary=False)
+    make_trainer([resumed], steps=30, max_epochs=-1, default_root_dir=tmp_path).fit(
+        Net(), loader(), ckpt_path=tmp_path / "at15.ckpt"
+    )
+    assert first.latest.step == 14
+    assert resumed.first.step == 15 and resumed.latest.step == 29
+
+
+class NoParameters(L.LightningModule):
+    """A module without parameters: its step makes the tensor it trains."""
+
+    def training_step(self, batch, batch_idx):
+        weight = torch.ones(6, 1, requires_grad=True)
+        return (batch[0] @ weight).pow(2).mean()
+
+    def configure_optimizers(self):
+        return None
+
+
+def test_a_module_without_parameters_gets_the_tracker_on_cpu() -> None:
+    cb = MemoryTenantsCallback(print_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([cb], steps=2).fit(NoParameters(), loader())
+    assert cb.latest.memory_source == "live-tensor tracker (cpu)"
+    assert cb.latest.peak_bytes is not None and cb.latest.tenants_bytes["weights"] == 0

@@ -115,3 +115,91 @@ def test_callback_peak_on_cuda_matches_max_memory_allocated() -> None:
     assert report.tenants_bytes["optimizer_state"] == 201_400_344
     for phase in report.phases.values():
         assert phase.other_bytes is not None and phase.fragmentation_bytes is not None
+
+
+class FakeCudaCounters:
+    """``torch.cuda``'s counters over a list of allocations, enough for CudaSource: allocate, free, read, reset."""
+
+    def __init__(self, before: int = 0) -> None:
+        self.allocated = 0
+        self.peak = before  # whatever the process reached before the callback started
+        self.resets = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.allocated + 512)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+
+    def reset(self, device: object = None) -> None:
+        self.resets += 1
+        self.peak = self.allocated
+
+
+def windows(counters: FakeCudaCounters, source: CudaSource) -> list[Reading]:
+    """Three windows: a 10 kB temporary, then 1 kB kept, then a 3 kB temporary."""
+    source.start()
+    readings = []
+    for keep, temporary in ((0, 10_000), (1_000, 0), (0, 3_000)):
+        counters.alloc(keep + temporary)
+        counters.free(temporary)
+        readings.append(source.read())
+    return readings
+
+
+def test_cuda_window_peaks_reset_the_counter_and_keep_the_run_s_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = FakeCudaCounters(before=50_000)  # the user's own code peaked at 50 kB before fit
+    counters.install(monkeypatch)
+    source = CudaSource("cuda:0")
+    assert windows(counters, source) == [
+        Reading(0, 10_000, 512),
+        Reading(1_000, 1_000, 1_512),
+        Reading(1_000, 4_000, 1_512),
+    ]
+    assert counters.resets == 4  # at start and after each window: max_memory_allocated() now reads our last window
+    assert torch.cuda.max_memory_allocated() == 1_000
+    assert source.run_peak_bytes == 50_000  # what the counter held when we first reset it
+
+
+def test_cuda_peak_counter_left_alone_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = FakeCudaCounters(before=5_000)
+    counters.install(monkeypatch)
+    source = CudaSource("cuda:0", reset_peaks=False)
+    # the first window set a new high (10 kB over 5 kB): measured; the others stayed below it: unknown, not guessed
+    assert windows(counters, source) == [
+        Reading(0, 10_000, 512),
+        Reading(1_000, None, 1_512),
+        Reading(1_000, None, 1_512),
+    ]
+    assert counters.resets == 0 and torch.cuda.max_memory_allocated() == 10_000
+    assert source.run_peak_bytes == 10_000
+    assert source.status.endswith("(peak counter not reset: a window's peak only where it set a new high)")
+    assert source_for("cuda:0", reset_peaks=False).reset_peaks is False
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reset", [True, False])
+def test_the_run_s_peak_stands_in_for_max_memory_allocated(reset: bool) -> None:
+    from conftest import make_trainer
+    from seed_mlp import SeedMLP, seed_loader
+
+    from lightning_memtenants import MemoryTenantsCallback
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ours = MemoryTenantsCallback(print_summary=False, reset_peak_stats=reset)
+    make_trainer([ours], steps=2, accelerator="gpu", devices=1).fit(SeedMLP(), seed_loader(2048, 2))
+    torch.cuda.synchronize()
+    if reset:  # the counter holds our last window; the run's peak is ours to give
+        assert torch.cuda.max_memory_allocated() <= ours.run_peak_bytes
+        assert ours.run_peak_bytes == max(ours.first.peak_bytes, ours.latest.peak_bytes)
+    else:  # the user's counter is untouched, and the step that set the high was measured
+        assert torch.cuda.max_memory_allocated() == ours.run_peak_bytes == ours.first.peak_bytes

@@ -18,11 +18,15 @@ import importlib.util
 import inspect
 import json
 import sys
+import sysconfig
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from torch import nn
+
+from lightning_memtenants.census import batch_tensors
 from lightning_memtenants.cuda_model import resolve_gpu
 from lightning_memtenants.dryrun import PRECISIONS, TARGETS, dry_run, largest_batch_size
 from lightning_memtenants.forecast import parse_bytes
@@ -35,7 +39,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 class UsageError(Exception):
-    """A bad argument: reported in one line, exit code 2."""
+    """A bad argument, or the user's own code failing: reported on stderr, exit code 2."""
+
+
+class _UserCodeFailed(Exception):
+    """The user's code raised ``error`` while the command ran ``what``; carried out of the dry run as it is."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        super().__init__(what)
+        self.what, self.error = what, error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"memtenants: error: {error}", file=sys.stderr)
         return 2
+    except _UserCodeFailed as failed:
+        print(f"memtenants: error: {failed.what} failed:\n{_user_traceback(failed.error)}", file=sys.stderr)
+        return 2
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -85,10 +100,26 @@ def _predict(args: argparse.Namespace) -> int:
             resolve_gpu(args.gpu)
         except ValueError as error:
             raise UsageError(str(error).replace("gpu must", "--gpu must")) from None
+    json_path = _json_path(args.json)
     factory = load_target(args.target)
+    if inspect.isclass(factory) and not issubclass(factory, nn.Module):
+        raise UsageError(f"{args.target} is a class but not an nn.Module: the command needs a LightningModule")
 
     def build() -> Any:
-        return factory(**init)
+        try:
+            module = factory(**init)
+        except TypeError as error:
+            if _raised_here(error):  # the call itself: a keyword the constructor does not take, or one missing
+                raise UsageError(f"{args.target} cannot be built with --init {json.dumps(init)}: {error}") from None
+            raise _UserCodeFailed(f"building {args.target}", error) from None
+        except Exception as error:
+            raise _UserCodeFailed(f"building {args.target}", error) from None
+        if not isinstance(module, nn.Module) or not callable(getattr(module, "training_step", None)):
+            raise UsageError(
+                f"{args.target} built {type(module).__name__}, not a LightningModule with training_step and"
+                " example_batch(batch_size, seq_len=None)"
+            )
+        return module
 
     def make_batch(size: int) -> Any:
         def batch(module: Any) -> Any:
@@ -97,19 +128,28 @@ def _predict(args: argparse.Namespace) -> int:
                 raise UsageError(
                     f"{type(module).__name__} has no example_batch(batch_size, seq_len=None) method to build a batch"
                 )
-            if args.seq_len is None:
-                return example(size)
-            return example(size, args.seq_len)
+            if args.seq_len is not None and not _takes_two(example):
+                raise UsageError(f"--seq-len: {type(module).__name__}.example_batch takes no seq_len argument")
+            call = f"{type(module).__name__}.example_batch({size}{'' if args.seq_len is None else f', {args.seq_len}'})"
+            try:
+                made = example(size) if args.seq_len is None else example(size, args.seq_len)
+            except Exception as error:
+                raise _UserCodeFailed(call, error) from None
+            if not batch_tensors(made):
+                raise UsageError(f"{call} must return the batch for training_step (tensors), got {_brief(made)}")
+            return made
 
         return batch
 
     options = {"precision": args.precision, "steps": args.steps, "target": args.device, "gpu": args.gpu}
-    prediction = dry_run(build, make_batch(args.batch_size), **options)
+    prediction = _run_step(lambda: dry_run(build, make_batch(args.batch_size), **options), args.batch_size)
     report = prediction.report
     print(format_table(report))  # the report's notes include the prediction's own
     largest = None
     if budget is not None:
-        largest = largest_batch_size(build, make_batch, budget, start=args.batch_size, **options)
+        largest = _run_step(
+            lambda: largest_batch_size(build, make_batch, budget, start=args.batch_size, **options), args.batch_size
+        )
         print(f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}")
     if args.json is not None:
         document = {
@@ -125,11 +165,73 @@ def _predict(args: argparse.Namespace) -> int:
             "report": dataclasses.asdict(report),
         }
         text = json.dumps(document, indent=2)
-        if args.json == "-":
+        if json_path is None:
             print(text)
         else:
-            Path(args.json).write_text(text + "\n")
+            try:
+                json_path.write_text(text + "\n")
+            except OSError as error:
+                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
     return 0
+
+
+def _json_path(value: str | None) -> Path | None:
+    """Where ``--json`` writes, checked before any work is done; None for stdout ('-') or no JSON."""
+    if value is None or value == "-":
+        return None
+    if not value.strip():
+        raise UsageError("--json must be a file path or '-' for stdout, got ''")
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"--json must be a file path, and {value} is a directory")
+    if not path.parent.is_dir():
+        raise UsageError(f"--json: the directory {path.parent} does not exist")
+    return path
+
+
+def _run_step(run: Any, batch_size: int) -> Any:
+    """Run the dry run; a failure of the user's step is theirs (their traceback), ours stays a traceback."""
+    try:
+        return run()
+    except (UsageError, _UserCodeFailed):
+        raise
+    except Exception as error:
+        if not _raised_here(error):
+            raise _UserCodeFailed(f"the training step at batch size {batch_size}, under fake tensors,", error) from None
+        if isinstance(error, ValueError):  # our own validation of what the user's code handed us
+            raise UsageError(str(error)) from None
+        raise
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether ``error`` was raised in this package's own code (its innermost frame is ours)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and _ours(frames[-1].filename)
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The user's frames of ``error`` and the error itself: none of ours, of importlib's, or of installed packages'."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if _theirs(f.filename)]
+    return ("".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error))).rstrip()
+
+
+def _theirs(filename: str) -> bool:
+    return not (_ours(filename) or "site-packages" in filename or filename.startswith(sysconfig.get_path("stdlib")))
+
+
+def _takes_two(method: Any) -> bool:
+    try:
+        parameters = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return True
+    return len([p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+
+
+def _brief(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else f"{type(value).__name__} {text[:50]}..."
 
 
 def load_target(target: str) -> Any:
@@ -152,7 +254,7 @@ def load_target(target: str) -> Any:
             module = importlib.import_module(path)
     except UsageError:
         raise
-    except Exception as error:
+    except (Exception, KeyboardInterrupt) as error:  # the user's module at import: their code, their traceback
         frames = [f for f in traceback.extract_tb(error.__traceback__) if not _ours(f.filename)]
         text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error))
         raise UsageError(f"cannot import {path}:\n{text.rstrip()}") from None

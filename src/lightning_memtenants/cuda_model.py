@@ -73,17 +73,39 @@ class CudaTarget:
         return cublas_workspace_bytes(self.capability, environ)
 
 
+# Every compute capability NVIDIA has shipped since Maxwell, the oldest that current PyTorch builds for.
+CAPABILITIES = frozenset(
+    {(5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0)}
+    | {(10, 0), (10, 1), (10, 3), (11, 0), (12, 0), (12, 1)}
+)
+
+
 def resolve_gpu(gpu: str | None) -> CudaTarget:
-    """A GPU from its name ("A6000", case and spaces ignored) or compute capability ("8.6")."""
+    """A GPU from its name ("A6000", case and spaces ignored) or compute capability ("8.6", "sm_86").
+
+    Args:
+        gpu: the name, the capability as a string, or ``None`` for an A100.
+
+    Returns:
+        The target's name and compute capability.
+
+    Raises:
+        ValueError: if ``gpu`` is not a string naming a known GPU or a compute capability NVIDIA has shipped.
+    """
+    expected = f"gpu must be one of {sorted(GPUS)} or a compute capability like '8.6' or 'sm_90'"
     if gpu is None:
         return CudaTarget("A100", GPUS["A100"])
-    key = re.sub(r"[\s_-]", "", str(gpu)).upper()
+    if not isinstance(gpu, str):
+        raise ValueError(f"{expected} (a string), got {gpu!r}")
+    key = re.sub(r"[\s_-]", "", gpu).upper()
     if key in GPUS:
         return CudaTarget(key, GPUS[key])
-    match = re.fullmatch(r"(?:SM_?)?(\d+)\.?(\d)", key)
+    match = re.fullmatch(r"(?:SM)?(\d{1,2})\.(\d)|SM(\d{1,2})(\d)", key)
     if match:
-        return CudaTarget(f"sm_{match.group(1)}{match.group(2)}", (int(match.group(1)), int(match.group(2))))
-    raise ValueError(f"gpu must be one of {sorted(GPUS)} or a compute capability like '8.6', got {gpu!r}")
+        major, minor = (int(g) for g in (match.groups()[:2] if match.group(1) else match.groups()[2:]))
+        if (major, minor) in CAPABILITIES:
+            return CudaTarget(f"sm_{major}{minor}", (major, minor))
+    raise ValueError(f"{expected}, got {gpu!r}")
 
 
 def round_block(nbytes: int) -> int:

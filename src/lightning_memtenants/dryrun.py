@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -129,10 +130,7 @@ def dry_run(
         notes.append("16-mixed on the CPU runs as bf16-mixed, as Lightning does there")
     param_dtype, autocast_dtype = PRECISIONS[precision]
     gpu_target = resolve_gpu(gpu) if target == "cuda" else None
-    mode = _fake_mode()
-    with mode, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.log.*")
-        warnings.filterwarnings("ignore", message=".*not attached to a .Trainer.*")
+    with fake_session() as mode:
         fake = _fake_module(model, mode, param_dtype)
         fake.train()
         lightning = loss_fn is None and _is_lightning(fake)
@@ -282,11 +280,11 @@ def _validate(
 ) -> None:
     if not isinstance(model, nn.Module) and not callable(model):
         raise ValueError(f"model must be an nn.Module or a callable that builds one, got {type(model).__name__}")
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if target not in TARGETS:
+    if not isinstance(target, str) or target not in TARGETS:
         raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
     if gpu is not None and target != "cuda":
         raise ValueError(f"gpu names a CUDA architecture and needs target='cuda', got target={target!r}")
@@ -300,12 +298,30 @@ def _validate(
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
 
 
-def _fake_mode() -> Any:
+@contextlib.contextmanager
+def fake_session() -> Iterator[Any]:
+    """A fake-tensor mode for the user's code, quiet about what only a run without a Trainer would say.
+
+    Lightning warns that ``self.log`` has no Trainer; torch logs a traceback at ERROR level for an operator
+    whose shapes do not fit (the error itself still reaches the caller) and warns about data pointers of
+    fake tensors. None of that is the user's business in a prediction.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     # A shape environment lets ``loss.item()`` in user code return a symbol instead of failing.
-    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    try:
+        with mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            warnings.filterwarnings("ignore", message=".*not attached to a .Trainer.*")
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            yield mode
+    finally:
+        logger.setLevel(level)
 
 
 def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
@@ -318,7 +334,10 @@ def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -
         memo: dict[int, Any] = {}
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) not in memo:
-                fake = mode.from_tensor(tensor.detach())
+                # a model built on the meta device has shapes and no memory: its fakes are CPU tensors like the rest
+                plain = tensor.detach()
+                fake = torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype) if plain.is_meta else None
+                fake = mode.from_tensor(plain) if fake is None else fake
                 if isinstance(tensor, nn.Parameter):
                     fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
                 memo[id(tensor)] = fake
@@ -380,9 +399,12 @@ def _without_host_state(report: StepReport, optimizers: list[Optimizer]) -> Step
 
 
 def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
+    given = batch
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
-        takes_module = len(inspect.signature(batch).parameters) >= 1
-        batch = batch(module) if takes_module else batch()
+        batch = batch(module) if _arity(batch) == 1 else batch()
+    for size in _sizes_in(batch):
+        if any(dim < 0 for dim in size):
+            raise ValueError(f"batch sizes must be 0 or more, got {size!r}")
 
     def shape(size: torch.Size) -> Tensor:
         return torch.empty(size, dtype=dtype or torch.float32)
@@ -396,8 +418,48 @@ def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any
     batch = apply_to_collection(batch, torch.Size, shape)
     batch = apply_to_collection(batch, Tensor, tensor)
     if not batch_tensors(batch):
-        raise ValueError("batch must contain at least one tensor or shape")
+        made = " (what the batch callable returned)" if given is not batch else ""
+        raise ValueError(f"batch must contain at least one tensor or torch.Size, got {_brief(batch)}{made}")
     return batch
+
+
+def _arity(make: Callable[..., Any]) -> int:
+    """How many arguments a batch callable takes: none, or one (the model); anything else is refused."""
+    try:
+        parameters = inspect.signature(make).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        return 0
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > 1:
+        names = ", ".join(p.name for p in required)
+        raise ValueError(f"batch must be a callable of no argument or of one (the model), got one of ({names})")
+    return 1 if positional else 0
+
+
+def _sizes_in(value: Any) -> list[torch.Size]:
+    if isinstance(value, torch.Size):
+        return [value]
+    if isinstance(value, dict):
+        return [size for item in value.values() for size in _sizes_in(item)]
+    if isinstance(value, (list, tuple)):
+        return [size for item in value for size in _sizes_in(item)]
+    return []
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{type(value).__name__} {text[:50]}..."
+
+
+def _loss_of(out: Any, who: str) -> Tensor:
+    """The loss a step returned, or one clear error naming who returned what."""
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, Tensor):
+        raise ValueError(f"{who} must return a loss tensor (or a dict with 'loss'), got {_brief(out)}")
+    if not loss.requires_grad:
+        raise ValueError(f"{who} returned a loss that does not require grad, so there is no backward to predict")
+    return loss
 
 
 def _leading_size(batch: Any) -> int:
@@ -408,6 +470,8 @@ def _leading_size(batch: Any) -> int:
 def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lightning: bool) -> list[Optimizer]:
     if factory is not None or not lightning:
         made = (factory or torch.optim.Adam)([p for p in module.parameters() if p.requires_grad])
+        if not isinstance(made, Optimizer):
+            raise ValueError(f"optimizer(params) must return a torch.optim.Optimizer, got {_brief(made)}")
         return [made]
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
@@ -465,7 +529,7 @@ def _step(
         with forward():
             out = module.training_step(batch, index) if lightning else loss_fn(module, batch)  # type: ignore[misc,operator]
         if not manual:
-            loss = out["loss"] if isinstance(out, dict) else out
+            loss = _loss_of(out, "training_step" if lightning else "loss_fn(model, batch)")
             if lightning:
                 # Lightning's closure divides the loss by the accumulation factor, an int (autograd keeps that
                 # 0-d int64 for backward), lets the undivided loss go, and keeps a detached copy

@@ -32,9 +32,9 @@ from lightning_memtenants.report import PHASES, PhaseReport, StepReport, explain
 from lightning_memtenants.sources import MemorySource, Reading, source_for
 
 COMPILED_REASON = (
-    "torch.compile'd code ran in this process; its kernels allocate outside PyTorch's dispatcher, where the"
-    " live-tensor tracker cannot see them, so the tracker does not measure this run (the tenants stay exact; on"
-    " CUDA the allocator's counters see compiled code)"
+    "the model runs torch.compile'd code, whose kernels allocate outside PyTorch's dispatcher where the"
+    " live-tensor tracker cannot see them, so the tracker does not measure the rest of this run (the tenants"
+    " stay exact, counted from the tensors; on CUDA the allocator's counters see compiled code)"
 )
 
 
@@ -115,6 +115,7 @@ class TenantMonitor:
         self.unmeasured_reason: str | None = None
         if not self.source.sees_compiled_code and holds_compiled_code(module):
             self.unmeasured_reason = COMPILED_REASON
+            warn(f"memtenants: {COMPILED_REASON}")
         self._step_notes: list[str] = []
         self._graph = _no_graph()
         self._state_bytes: int | None = None
@@ -206,12 +207,12 @@ class TenantMonitor:
         if self.tracker.error is not None:
             self._disable("activations", self.tracker.error)
             return
-        if self._measuring:
-            self.guard("memory source", self.source.adopt, self.tracker.storages())
-        elif self.tracker.compiled and not self.source.sees_compiled_code and self.unmeasured_reason is None:
+        if self.tracker.compiled and not self.source.sees_compiled_code and self.unmeasured_reason is None:
             self.unmeasured_reason = COMPILED_REASON
             self._warn(f"memtenants: {COMPILED_REASON}")
             self._stop_source()
+        if self._measuring:
+            self.guard("memory source", self.source.adopt, self.tracker.storages())
 
     def observe_failure(self, error: BaseException) -> None:
         """Read the graphs still held by the frames of ``error``'s traceback (an OOM inside the forward).

@@ -9,7 +9,6 @@ every saved tensor into one of the formula's terms, so each difference has its b
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,14 +134,12 @@ def activation_check(
     and ``heads`` to the usual attribute names (``n_embd``/``hidden_size``, ``n_head``/``num_heads``),
     and ``s``, ``b`` to the shape of the batch's first tensor.
     """
-    from lightning_memtenants.dryrun import PRECISIONS, _fake_batch, _fake_mode, _fake_module, _forward_context
+    from lightning_memtenants.dryrun import PRECISIONS, _fake_batch, _fake_module, _forward_context, fake_session
 
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     param_dtype, autocast_dtype = PRECISIONS[precision]
-    mode = _fake_mode()
-    with mode, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.log.*")
+    with fake_session() as mode:
         fake = _fake_module(model, mode, param_dtype)
         fake.train()
         blocks = layers if layers is not None else _longest_module_list(fake)
