@@ -146,3 +146,36 @@ def test_storage_resizes_are_followed_and_the_hook_is_removed() -> None:
     assert tracker.read() == (0, 0)
     tracker.stop()
     assert "resize_" not in torch.UntypedStorage.__dict__
+
+
+def test_a_user_mode_entered_above_ours_stays_and_the_stack_is_left_as_without_us() -> None:
+    import torch.utils._python_dispatch as dispatch
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    class Counting(TorchDispatchMode):  # a user's mode, entered while ours runs and left after we stopped
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def flags() -> tuple[bool, bool, bool]:
+        return (
+            dispatch._is_in_torch_dispatch_mode,
+            dispatch._is_in_non_infra_torch_dispatch_mode,
+            dispatch._is_in_any_mode_without_ignore_compile_internals,
+        )
+
+    before = flags()
+    tracker = fresh()
+    tracker.start()
+    user = Counting()
+    user.__enter__()
+    tracker.pause()  # ours leaves from under the user's mode
+    assert _get_current_dispatch_mode() is user
+    assert flags() == (True, True, True)  # only the user's mode is active now
+    torch.ones(3) * 2
+    assert Counting.calls == 2
+    user.__exit__(None, None, None)
+    assert _get_current_dispatch_mode() is None and flags() == before
+    tracker.stop()

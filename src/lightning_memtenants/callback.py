@@ -198,7 +198,12 @@ class MemoryTenantsCallback(Callback):
         self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
         # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
         # path (the postmortem) must never call a collective while another rank waits in backward
-        self._log_dir = None if self.postmortem_dir is not None else trainer.log_dir
+        self._log_dir = None
+        if self.postmortem_dir is None:
+            try:
+                self._log_dir = trainer.log_dir
+            except Exception as error:  # a logger of the user's whose directory cannot be read: the working one
+                rank_zero_warn(f"memtenants: the logger's directory cannot be read ({describe_error(error)})")
         optimizers: list[Optimizer] = list(trainer.optimizers)
         source: str | MemorySource | None = self.memory_source
         if source == "tracker":

@@ -121,10 +121,50 @@ def _exit_mode(mode: TorchDispatchMode) -> None:
         above.append(_pop_mode())
     try:
         if _get_current_dispatch_mode() is mode:
+            below = _saved_flags(mode)
             mode.__exit__(None, None, None)
+            if above and below is not None:
+                _forget_in_flags(below, list(reversed(above)))
     finally:
         for other in reversed(above):
             _push_mode(other)
+
+
+_FLAG_DEQUES = (
+    "old_dispatch_mode_flags",
+    "old_non_infra_dispatch_mode_flags",
+    "old_without_ignore_compile_internals_dispatch_mode_flags",
+)
+
+
+def _saved_flags(mode: TorchDispatchMode) -> tuple[bool, bool, bool] | None:
+    """The "a mode is active" flags ``mode`` saved on entering: what they were below it."""
+    deques = [getattr(mode, name, None) for name in _FLAG_DEQUES]
+    if not all(deques):
+        return None
+    return deques[0][-1], deques[1][-1], deques[2][-1]  # type: ignore[index]
+
+
+def _forget_in_flags(below: tuple[bool, bool, bool], above: list[TorchDispatchMode]) -> None:
+    """Rewrite what the modes entered above ours saved, and the flags now, as if ours had never been entered.
+
+    Each mode saves torch's "a mode is active" flags on entering and puts them back on leaving; the
+    modes above ours saved values that include ours, which they would otherwise restore after we left.
+    """
+    import torch.utils._python_dispatch as dispatch
+
+    active, non_infra, without_ignore = below
+    for other in above:  # in the order they were entered
+        saved = [getattr(other, name, None) for name in _FLAG_DEQUES]
+        if all(saved):
+            saved[0][-1], saved[1][-1], saved[2][-1] = active, non_infra, without_ignore  # type: ignore[index]
+        active = True
+        non_infra = non_infra or not other.is_infra_mode()
+        without_ignore = without_ignore or not other.ignore_compile_internals()
+    dispatch._is_in_torch_dispatch_mode = active
+    dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
+    dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
+    dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
 
 
 class _Mode(TorchDispatchMode):
