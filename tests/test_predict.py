@@ -279,3 +279,24 @@ def test_a_step_that_logs_and_reads_trainer_state_runs_without_a_trainer(recwarn
     report = predict(Logging(), (torch.Size([4, 1024]),))
     assert report.tenants_bytes["activations"] == 4 * SEED_SAVED_PER_SAMPLE + CLOSURE_DIVISOR
     assert not [w for w in recwarn if "self.log" in str(w.message)]
+
+
+def test_a_compiled_model_is_predicted_as_it_runs_eagerly_and_still_compiles_afterwards() -> None:
+    graphs: list[object] = []
+
+    def counting(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting)
+    prediction = dry_run(compiled, torch.Size([4, 8]), loss_fn=article_loss)
+    eager = predict(model, torch.Size([4, 8]), loss_fn=article_loss)
+    assert prediction.report.tenants_bytes == eager.tenants_bytes and prediction.report.peak_bytes == eager.peak_bytes
+    assert "torch.compile'd parts are predicted as they run eagerly" in prediction.notes[-1]
+    assert graphs == []  # nothing was compiled for fake tensors
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert len(graphs) == 1  # and the user's own compile goes on as without us
+    torch._dynamo.reset()

@@ -34,7 +34,7 @@ from lightning_memtenants.cuda_model import (
     resolve_gpu,
 )
 from lightning_memtenants.forecast import PeakForecast, batch_elements
-from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
 from lightning_memtenants.report import PhaseReport, StepReport
 from lightning_memtenants.sources import TrackerSource
 
@@ -146,6 +146,13 @@ def dry_run(
             source = TrackerSource(
                 "cpu", scan=False, host_ops=HOST_OPS, label=label, allocator=CachingAllocatorModel(), count_fake=True
             )
+        # the dry run runs torch.compile'd parts eagerly (below), so the tracker sees every allocation
+        source.sees_compiled_code = True
+        if holds_compiled_code(fake):
+            notes.append(
+                "the model's torch.compile'd parts are predicted as they run eagerly; inductor's kernels may"
+                " save and allocate other tensors"
+            )
         monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise)
         threads: Any = contextlib.nullcontext()
         if gpu_target is not None:
@@ -164,7 +171,7 @@ def dry_run(
         forward = _forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
         try:
-            with threads:
+            with threads, _eager():
                 for index in range(steps):
                     reports.append(
                         _step(fake, fake_batch, index, optimizers, monitor, forward, loss_fn, lightning, threads)
@@ -588,6 +595,12 @@ def _attach_manual(
         del module.optimizers
 
     return restore
+
+
+def _eager() -> Any:
+    """Run compiled code as plain PyTorch: Dynamo cannot compile for fake tensors the step did not make."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _raise(message: str) -> None:
