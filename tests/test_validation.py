@@ -121,3 +121,20 @@ def test_a_model_on_the_meta_device_is_predicted_like_a_real_one() -> None:
     assert a.tenants_bytes == b.tenants_bytes and a.peak_bytes == b.peak_bytes
     p = 8 * 32 + 32 + 32 * 2 + 2
     assert a.tenants_bytes["weights"] == 4 * p and a.tenants_bytes["activations"] == (4 * 32 + 4 * 2) * 4
+
+
+def test_the_new_core_arguments_are_checked(monkeypatch) -> None:
+    from lightning_memtenants import CudaSource, LiveTensorTracker, TenantMonitor
+
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"^device must be None, a torch.device or a name like 'cuda:0', got 'gpu0'"):
+        TenantMonitor(model, device="gpu0")
+    monitor = TenantMonitor(model, source=None)
+    monitor.phase("batch_start")
+    with pytest.raises(ValueError, match=r"^step must be None or a step number \(an int, 0 or more\), got -1"):
+        monitor.end_step(step=-1)
+    assert monitor.end_step(step=7).step == 7
+    with pytest.raises(ValueError, match=r"^reset_peaks must be True or False, got 'no'"):
+        CudaSource("cuda:0", reset_peaks="no")
+    with pytest.raises(ValueError, match=r"^count_fake must be True or False, got 1"):
+        LiveTensorTracker(count_fake=1)

@@ -29,7 +29,14 @@ from lightning_memtenants.alerts import (
 from lightning_memtenants.census import batch_tensors, take_census
 from lightning_memtenants.distributed import gather_rank_metrics
 from lightning_memtenants.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
-from lightning_memtenants.forecast import PeakForecast, parse_bytes, positive_int, positive_number
+from lightning_memtenants.forecast import (
+    PeakForecast,
+    batch_elements,
+    brief,
+    parse_bytes,
+    positive_int,
+    positive_number,
+)
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.report import PHASES, WINDOW_NAMES, MiB, StepReport, format_table
 from lightning_memtenants.sources import MemorySource, TrackerSource, source_for
@@ -125,7 +132,7 @@ class MemoryTenantsCallback(Callback):
         if not isinstance(memory_source, MemorySource) and not (
             isinstance(memory_source, str) and memory_source in _SOURCES
         ):
-            raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {_short(memory_source)}")
+            raise ValueError(f"memory_source must be one of {_SOURCES} or a MemorySource, got {brief(memory_source)}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
         if isinstance(desk_every_n_logs, bool) or not isinstance(desk_every_n_logs, int) or desk_every_n_logs < 0:
@@ -133,7 +140,7 @@ class MemoryTenantsCallback(Callback):
         if postmortem_dir is not None and (
             not isinstance(postmortem_dir, (str, os.PathLike)) or not os.fspath(postmortem_dir)
         ):
-            raise ValueError(f"postmortem_dir must be None or a non-empty path, got {_short(postmortem_dir)}")
+            raise ValueError(f"postmortem_dir must be None or a non-empty path, got {brief(postmortem_dir)}")
         self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         self.margin = float(margin)
         self.strict = strict
@@ -166,7 +173,7 @@ class MemoryTenantsCallback(Callback):
         self._stepped = False
         self._step_hooks: list[Any] = []
         self._step_bound = 1
-        self._run_peak: int | None = None
+        self._source: MemorySource | None = None  # kept past fit for run_peak_bytes; it holds no tensor
 
     @property
     def state_key(self) -> str:
@@ -194,7 +201,7 @@ class MemoryTenantsCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(release=True)
         self.latest = self.latest_measured = self.first = None
-        self._open_batch, self._last_step, self._step, self._run_peak = False, None, 0, None
+        self._open_batch, self._last_step, self._step = False, None, 0
         self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
         # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
         # path (the postmortem) must never call a collective while another rank waits in backward
@@ -220,6 +227,7 @@ class MemoryTenantsCallback(Callback):
             device=pl_module.device,
             warn=rank_zero_warn,
         )
+        self._source = self._monitor.source
         self._monitor.guard("precision and strategy", self._describe_engines, trainer, pl_module)
         # An optimizer step ends a step: Lightning's hook sees its own steps, a post hook on each optimizer also
         # sees a raw ``.step()`` (``self.optimizers(use_pl_optimizer=False)``). Without one, a step ends after the
@@ -252,7 +260,7 @@ class MemoryTenantsCallback(Callback):
         On CUDA it includes what ``max_memory_allocated()`` held when the callback first reset it, so it
         stands in for the counter a script reads at the end.
         """
-        return self._run_peak
+        return None if self._source is None else self._source.run_peak_bytes
 
     def predict_peak_bytes(self, batch_size: int) -> int | None:
         """The predicted step peak for ``batch_size`` samples, from the steps measured so far.
@@ -367,8 +375,6 @@ class MemoryTenantsCallback(Callback):
             return
         report = monitor.end_step(self._step)
         self._last_step = self._step
-        if monitor.source.run_peak_bytes is not None:
-            self._run_peak = max(self._run_peak or 0, monitor.source.run_peak_bytes)
         if trainer.world_size > 1 and bool(trainer.loggers) and self._logs_step(trainer, self._step):
             # every rank takes part on the same steps, whatever its own measurement did, so none waits
             self._rank_metrics = _gather_or_warn(trainer, report)
@@ -435,13 +441,13 @@ class MemoryTenantsCallback(Callback):
         """
         if not isinstance(state_dict, dict):
             raise ValueError(
-                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {_short(state_dict)}"
+                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {brief(state_dict)}"
             )
         forecast, leaks = PeakForecast(), LeakDetector()
         for name, part in (("forecast", forecast), ("leaks", leaks)):
             value = state_dict.get(name, {})
             if not isinstance(value, dict):
-                raise ValueError(f"state_dict[{name!r}] must be a dict, got {_short(value)}")
+                raise ValueError(f"state_dict[{name!r}] must be a dict, got {brief(value)}")
             part.load_state_dict(value)
         self.forecast, self.leaks = forecast, leaks
 
@@ -670,10 +676,9 @@ def _batch_size(batch: Any) -> tuple[int, int, int] | None:
     which warns about an ambiguous batch size to a user who never logged anything.
     """
     tensors = batch_tensors(batch)
-    elements = sum(t.numel() for t in tensors)
+    elements, nbytes = batch_elements(tensors)
     if not elements:
         return None
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     first = next((t for t in tensors if t.dim()), None)
     return elements, nbytes, int(first.shape[0]) if first is not None else 1
 
@@ -688,16 +693,6 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     args = getattr(error, "args", ())
     return isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], str) and is_oom_error(error)
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to a line, whatever the object (a numpy array's repr spans many)."""
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    text = " ".join(text.split())
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _show_headroom(pl_module: pl.LightningModule, headroom: int) -> None:

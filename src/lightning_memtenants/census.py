@@ -153,7 +153,7 @@ class ActivationTracker:
         # half copy of a weight, reported as ``autocast_cache`` rather than as an activation
         self.params: frozenset[int] = frozenset()
         self.error: Exception | None = None
-        self.clear()
+        self.reset_counts()
 
     def ignore(self, tensors: Iterable[Tensor]) -> None:
         """Never count these storages (the input batch, say) as activations."""
@@ -162,14 +162,18 @@ class ActivationTracker:
                 self._ignored[id(storage)] = weakref.ref(storage)
 
     def clear(self) -> None:
-        """Forget every recorded storage and count; the next batch starts from nothing."""
+        """Forget every recorded storage: the next micro-batch starts from nothing (the counts stay)."""
         self._saved.clear()
         self._casts.clear()
         self._ignored.clear()
+
+    def reset_counts(self) -> None:
+        """Zero what the walks found since the last reset (an optimizer step's micro-batches together)."""
         # checkpointed regions in the largest graph observed, and whether torch.compile's code made it
         self.checkpointed = 0
         self.compiled = False
-        # saved tensors that another hook packed, and of those, packed into something that holds no tensor
+        # saved tensors that another hook packed, of those packed into something that holds no tensor, and the
+        # bytes a hook moved to another device
         self.hooked = 0
         self.opaque = 0
         self.offloaded_bytes = 0
@@ -211,12 +215,11 @@ class ActivationTracker:
             if node in seen:
                 continue
             seen.add(node)
-            kind = type(node)
-            names = _SAVED_NAMES.get(kind)
-            if names is None:
-                names = _SAVED_NAMES[kind] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
-                _SPECIAL[kind] = _special(kind.__name__)
-            special = _SPECIAL[kind]
+            kind = _NODE_KINDS.get(type(node))
+            if kind is None:
+                names = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+                kind = _NODE_KINDS[type(node)] = (names, _special(type(node).__name__))
+            names, special = kind
             if special == "reentrant":
                 reentrant += 1
             elif special == "compiled":
@@ -225,14 +228,18 @@ class ActivationTracker:
                 saved = getattr(node, name)
                 for item in saved if isinstance(saved, (list, tuple)) else (saved,):
                     hook = item.unpack_hook
-                    if hook is not None and getattr(hook, "__module__", "") == "torch.utils.checkpoint":
+                    if hook is None:  # stored as it is: by far the most common case
+                        data = item.data
+                        if data is not None:
+                            self._record(data, offloaded)
+                    elif getattr(hook, "__module__", "") == "torch.utils.checkpoint":
                         if id(hook) not in checkpoint_hooks:
                             checkpoint_hooks.add(id(hook))
                             # the region keeps only its inputs, saved by its frame, which the hook closes over
                             for inputs in _checkpoint_inputs(hook):
                                 self._saved_item(inputs, offloaded)
                     else:
-                        self._saved_item(item, offloaded)
+                        self._hooked_item(item, offloaded)
             stack.extend(child for child, _ in node.next_functions if child is not None)
         self.checkpointed = max(self.checkpointed, reentrant + len(checkpoint_hooks))
 
@@ -242,7 +249,11 @@ class ActivationTracker:
             data = item.data
             if data is not None:
                 self._record(data, offloaded)
-            return
+        else:
+            self._hooked_item(item, offloaded)
+
+    def _hooked_item(self, item: Any, offloaded: set[int]) -> None:
+        """A ``SavedTensor`` a user's pack hook packed: the tensors in what it returned are what is kept."""
         self.hooked += 1
         packed = list(_tensors_in(item.data))
         if not packed:
@@ -333,8 +344,8 @@ def checkpointed_regions(output: Tensor) -> int:
     return tracker.checkpointed
 
 
-_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
-_SPECIAL: dict[type, str] = {}
+# Per node class: the names of its saved tensors (``_raw_saved_*``), and what it says of the graph (``_special``).
+_NODE_KINDS: dict[type, tuple[tuple[str, ...], str]] = {}
 
 
 class TenantCounter:

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_memtenants.census import batch_tensors
 from lightning_memtenants.cuda_model import resolve_gpu
 from lightning_memtenants.dryrun import PRECISIONS, TARGETS, dry_run, largest_batch_size
-from lightning_memtenants.forecast import parse_bytes
+from lightning_memtenants.forecast import brief, parse_bytes
 from lightning_memtenants.report import MiB, format_table
 
 
@@ -136,7 +136,7 @@ def _predict(args: argparse.Namespace) -> int:
             except Exception as error:
                 raise _UserCodeFailed(call, error) from None
             if not batch_tensors(made):
-                raise UsageError(f"{call} must return the batch for training_step (tensors), got {_brief(made)}")
+                raise UsageError(f"{call} must return the batch for training_step (tensors), got {brief(made)}")
             return made
 
         return batch
@@ -229,11 +229,6 @@ def _takes_two(method: Any) -> bool:
     return len([p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
 
 
-def _brief(value: Any) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 60 else f"{type(value).__name__} {text[:50]}..."
-
-
 def load_target(target: str) -> Any:
     """Import ``FILE.py:NAME`` or ``module:NAME``; an import that fails shows the user's own traceback."""
     path, sep, name = target.rpartition(":")
@@ -255,9 +250,7 @@ def load_target(target: str) -> Any:
     except UsageError:
         raise
     except (Exception, KeyboardInterrupt) as error:  # the user's module at import: their code, their traceback
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if not _ours(f.filename)]
-        text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error))
-        raise UsageError(f"cannot import {path}:\n{text.rstrip()}") from None
+        raise UsageError(f"cannot import {path}:\n{_user_traceback(error)}") from None
     found = getattr(module, name, None)
     if found is None or not callable(found):
         names = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))

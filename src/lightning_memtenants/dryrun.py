@@ -33,7 +33,7 @@ from lightning_memtenants.cuda_model import (
     host_state_bytes,
     resolve_gpu,
 )
-from lightning_memtenants.forecast import PeakForecast, batch_elements
+from lightning_memtenants.forecast import PeakForecast, batch_elements, brief
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
 from lightning_memtenants.report import PhaseReport, StepReport
 from lightning_memtenants.sources import TrackerSource
@@ -409,11 +409,10 @@ def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any
     given = batch
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
         batch = batch(module) if _arity(batch) == 1 else batch()
-    for size in _sizes_in(batch):
-        if any(dim < 0 for dim in size):
-            raise ValueError(f"batch sizes must be 0 or more, got {size!r}")
 
     def shape(size: torch.Size) -> Tensor:
+        if any(dim < 0 for dim in size):
+            raise ValueError(f"batch sizes must be 0 or more, got {size!r}")
         return torch.empty(size, dtype=dtype or torch.float32)
 
     def tensor(t: Tensor) -> Tensor:
@@ -426,7 +425,7 @@ def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any
     batch = apply_to_collection(batch, Tensor, tensor)
     if not batch_tensors(batch):
         made = " (what the batch callable returned)" if given is not batch else ""
-        raise ValueError(f"batch must contain at least one tensor or torch.Size, got {_brief(batch)}{made}")
+        raise ValueError(f"batch must contain at least one tensor or torch.Size, got {brief(batch)}{made}")
     return batch
 
 
@@ -444,26 +443,11 @@ def _arity(make: Callable[..., Any]) -> int:
     return 1 if positional else 0
 
 
-def _sizes_in(value: Any) -> list[torch.Size]:
-    if isinstance(value, torch.Size):
-        return [value]
-    if isinstance(value, dict):
-        return [size for item in value.values() for size in _sizes_in(item)]
-    if isinstance(value, (list, tuple)):
-        return [size for item in value for size in _sizes_in(item)]
-    return []
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{type(value).__name__} {text[:50]}..."
-
-
 def _loss_of(out: Any, who: str) -> Tensor:
     """The loss a step returned, or one clear error naming who returned what."""
     loss = out.get("loss") if isinstance(out, dict) else out
     if not isinstance(loss, Tensor):
-        raise ValueError(f"{who} must return a loss tensor (or a dict with 'loss'), got {_brief(out)}")
+        raise ValueError(f"{who} must return a loss tensor (or a dict with 'loss'), got {brief(out)}")
     if not loss.requires_grad:
         raise ValueError(f"{who} returned a loss that does not require grad, so there is no backward to predict")
     return loss
@@ -478,7 +462,7 @@ def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lig
     if factory is not None or not lightning:
         made = (factory or torch.optim.Adam)([p for p in module.parameters() if p.requires_grad])
         if not isinstance(made, Optimizer):
-            raise ValueError(f"optimizer(params) must return a torch.optim.Optimizer, got {_brief(made)}")
+            raise ValueError(f"optimizer(params) must return a torch.optim.Optimizer, got {brief(made)}")
         return [made]
     from lightning.pytorch.core.optimizer import _configure_optimizers
 

@@ -69,6 +69,17 @@ def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
     return int(number)
 
 
+def brief(value: Any) -> str:
+    """``repr(value)`` on one line and cut short, for an error message, whatever the object (a numpy array's
+    repr spans many lines; a user's object may fail to print itself)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def positive_int(value: Any, name: str, limit: int = 2**53) -> int:
     """``value`` as a batch size: an int from 1 to ``limit`` (not a bool, a float or a string).
 

@@ -59,7 +59,7 @@ class TenantMonitor:
         warn: how a failed measurement is reported (once per part).
 
     Raises:
-        ValueError: if ``source`` is none of the above.
+        ValueError: if ``source`` is none of the above, or ``device`` names no device.
 
     Example::
 
@@ -92,7 +92,10 @@ class TenantMonitor:
         if device is None:
             first = next(chain(module.parameters(), module.buffers()), None)
             device = first.device if first is not None else torch.device("cpu")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be None, a torch.device or a name like 'cuda:0', got {device!r}") from None
         self.tracker = ActivationTracker(self.device.type)
         if isinstance(source, str) and source == "auto":
             source = source_for(self.device)
@@ -117,7 +120,6 @@ class TenantMonitor:
             self.unmeasured_reason = COMPILED_REASON
             warn(f"memtenants: {COMPILED_REASON}")
         self._step_notes: list[str] = []
-        self._graph = _no_graph()
         self._state_bytes: int | None = None
         self._state_signature: tuple[int, ...] = ()
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
@@ -152,7 +154,6 @@ class TenantMonitor:
         if not isinstance(name, str) or name not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
         if name == "batch_start":
-            self._fold_graph()
             self.tracker.clear()
             if not self._micro:
                 self._begin_step(batch)
@@ -203,7 +204,7 @@ class TenantMonitor:
         """
         if "activations" in self.disabled:
             return
-        self.guard("activations", self.tracker.observe, output)
+        self.tracker.observe(output)  # never raises: a failure is kept in ``error``
         if self.tracker.error is not None:
             self._disable("activations", self.tracker.error)
             return
@@ -237,8 +238,8 @@ class TenantMonitor:
         """Drop a step that will never end (a batch Lightning skipped); its measurement stops here."""
         self._micro = []
         self._step_notes = []
-        self._graph = _no_graph()
         self.tracker.clear()
+        self.tracker.reset_counts()
         if self._measuring and not self.source.every_step:
             self.guard("memory source", self.source.pause)
         self._measuring = False
@@ -265,8 +266,9 @@ class TenantMonitor:
         Returns:
             The step's report, or ``None`` where no phase was measured.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be None or a step number (an int, 0 or more), got {step!r}")
         micro, self._micro = self._micro, []
-        self._fold_graph()
         self.tracker.clear()
         if self._measuring and not self.source.every_step:
             self.guard("memory source", self.source.pause)
@@ -316,7 +318,7 @@ class TenantMonitor:
         self.tracker.clear()
         self._micro = []
         self._step_notes = []
-        self._graph = _no_graph()
+        self.tracker.reset_counts()
         self._state_bytes = None
         self._measuring = False
         self.guard("memory source", self.source.stop)
@@ -351,38 +353,32 @@ class TenantMonitor:
         if note not in self._step_notes:
             self._step_notes.append(note)
 
-    def _fold_graph(self) -> None:
-        """Keep what the graph walk of the micro-batch just ended found, before the tracker forgets it."""
-        tracker, graph = self.tracker, self._graph
-        graph["checkpointed"] = max(graph["checkpointed"], tracker.checkpointed)
-        graph["hooked"] = max(graph["hooked"], tracker.hooked)
-        graph["opaque"] = max(graph["opaque"], tracker.opaque)
-        graph["offloaded"] = max(graph["offloaded"], tracker.offloaded_bytes)
-
     def _graph_notes(self) -> list[str]:
-        graph, self._graph = self._graph, _no_graph()
+        """What the graph walks of the step found beside the tenants; the counts start again from here."""
+        tracker = self.tracker
         notes = []
-        if graph["checkpointed"]:
+        if tracker.checkpointed:
             notes.append(
-                f"activation checkpointing: {graph['checkpointed']} checkpointed region(s) keep only their inputs for"
+                f"activation checkpointing: {tracker.checkpointed} checkpointed region(s) keep only their inputs for"
                 " backward and recompute the rest, so the activations tenant is smaller than the forward's"
             )
-        if graph["hooked"]:
+        if tracker.hooked:
             text = (
-                f"saved-tensor hooks: your saved_tensors_hooks packed {graph['hooked']} saved tensor(s); the"
+                f"saved-tensor hooks: your saved_tensors_hooks packed {tracker.hooked} saved tensor(s); the"
                 " activations tenant counts what the hook keeps (its packed tensors), read without unpacking"
             )
-            if graph["offloaded"]:
+            if tracker.offloaded_bytes:
                 text += (
-                    f"; {graph['offloaded']:,} bytes of them were moved off the {self.device.type} device (an offload"
-                    " such as save_on_cpu) and are not in the tenant"
+                    f"; {tracker.offloaded_bytes:,} bytes of them were moved off the {self.device.type} device (an"
+                    " offload such as save_on_cpu) and are not in the tenant"
                 )
-            if graph["opaque"]:
+            if tracker.opaque:
                 text += (
-                    f"; {graph['opaque']} were packed into objects that hold no tensor, whose bytes cannot be"
+                    f"; {tracker.opaque} were packed into objects that hold no tensor, whose bytes cannot be"
                     " counted and are not in the tenant"
                 )
             notes.append(text)
+        tracker.reset_counts()
         return notes
 
     def _roots(self, batch: Any) -> Iterator[Tensor]:
@@ -440,10 +436,6 @@ def holds_compiled_code(module: nn.Module) -> bool:
         if getattr(sub, "_compiled_call_impl", None) is not None:
             return True
     return False
-
-
-def _no_graph() -> dict[str, int]:
-    return {"checkpointed": 0, "hooked": 0, "opaque": 0, "offloaded": 0}
 
 
 def _unmeasured(phase: PhaseReport) -> PhaseReport:

@@ -84,6 +84,8 @@ class _PeakCounters(MemorySource):
 
     def __init__(self, reset_peaks: bool = True) -> None:
         super().__init__()
+        if not isinstance(reset_peaks, bool):
+            raise ValueError(f"reset_peaks must be True or False, got {reset_peaks!r}")
         self.reset_peaks = reset_peaks
         self._started = False
         self._last_max = 0

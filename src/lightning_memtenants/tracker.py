@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -40,20 +41,9 @@ def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
         yield from storages_of(tensor)
 
 
-def _fake_tensor_type() -> type | None:
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return None
-    return FakeTensor
-
-
-_FAKE = _fake_tensor_type()
-
-
 def _is_fake(tensor: Tensor) -> bool:
     """A fake or meta tensor: shapes without memory (inductor leaves fakes alive after compiling)."""
-    return (_FAKE is not None and isinstance(tensor, _FAKE)) or tensor.is_meta
+    return isinstance(tensor, FakeTensor) or tensor.is_meta
 
 
 def _live_tensors(count_fake: bool = False) -> list[Tensor]:
@@ -62,7 +52,7 @@ def _live_tensors(count_fake: bool = False) -> list[Tensor]:
     types = {
         tp
         for tp in set(map(type, objects))
-        if issubclass(tp, Tensor) and (count_fake or _FAKE is None or not issubclass(tp, _FAKE))
+        if issubclass(tp, Tensor) and (count_fake or not issubclass(tp, FakeTensor))
     }
     return list(compress(objects, map(types.__contains__, map(type, objects))))
 
@@ -74,16 +64,14 @@ _installed: list[tuple[Any, bool, Any]] = []
 
 def _resize_wrapper(previous: Any) -> Any:
     def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        """``UntypedStorage.resize_`` while a tracker runs: FSDP2 frees and re-allocates its gathered parameters
+        this way, outside the dispatcher, so the trackers re-read the storage's size. It calls the method that
+        was installed before it (the user's patch, MemTracker's), so both run."""
         out = previous(storage, size)
         for tracker in _following:
             tracker.resized(storage)
         return out
 
-    resize_.__doc__ = (
-        "``UntypedStorage.resize_`` while a tracker runs: FSDP2 frees and re-allocates its gathered parameters"
-        " this way, outside the dispatcher, so the trackers re-read the storage's size. It calls the method that"
-        " was installed before it (the user's patch, MemTracker's), so both run."
-    )
     return resize_
 
 
@@ -230,6 +218,8 @@ class LiveTensorTracker:
         allocator: Any = None,
         count_fake: bool = False,
     ) -> None:
+        if not isinstance(count_fake, bool):
+            raise ValueError(f"count_fake must be True or False, got {count_fake!r}")
         self.device_type = device_type
         # a prediction counts fake tensors as the memory they stand for; a real run never does
         self.count_fake = count_fake
