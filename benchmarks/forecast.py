@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.sources import TrackerSource
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants.core.sources import TrackerSource
+from lightning_memtenants.core.tracker import LiveTensorTracker
 
 BUDGET = 48 * 2**20
 SHORT, LONG, SAMPLES = 32, 256, 4096

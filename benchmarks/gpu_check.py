@@ -77,7 +77,7 @@ def strategies_check() -> bool:
     """
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lightning_memtenants.formulas import fsdp_fixed_cost_bytes
+    from lightning_memtenants.analysis.formulas import fsdp_fixed_cost_bytes
 
     ok = True
     runs = {

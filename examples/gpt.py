@@ -89,7 +89,7 @@ class TinyGPT(L.LightningModule):
 
 def main() -> None:
     from lightning_memtenants import format_table, predict
-    from lightning_memtenants.transformer import activation_check
+    from lightning_memtenants.predict.transformer import activation_check
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8)

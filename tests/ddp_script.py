@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import RecordingLogger
 
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.census import TenantCounter
+from lightning_memtenants.core.census import TenantCounter
 
 
 class Net(L.LightningModule):

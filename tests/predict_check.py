@@ -25,8 +25,8 @@ from gpt import TinyGPT
 from seed_mlp import SeedMLP, seed_loader
 
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.census import storage_key, unique_storage_bytes
-from lightning_memtenants.tracker import _live_tensors
+from lightning_memtenants.core.storage import storage_key, unique_storage_bytes
+from lightning_memtenants.core.tracker import _live_tensors
 
 
 class HostBytes(L.Callback):

@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.alerts import MemoryBudgetError, ranked_fixes
-from lightning_memtenants.report import MiB
+from lightning_memtenants.analysis.budget import MemoryBudgetError
+from lightning_memtenants.analysis.fixes import ranked_fixes
+from lightning_memtenants.units import MiB
 
 SEED_FIXED = 402_800_664
 
@@ -138,7 +139,7 @@ def test_oom_postmortem_names_the_phase_and_the_fat_tenant(tmp_path, fail, fail_
 
 
 def test_real_oom_on_a_simulated_small_device(tmp_path) -> None:
-    from lightning_memtenants.sources import TrackerSource
+    from lightning_memtenants.core.sources import TrackerSource
 
     source = TrackerSource(scan=False, limit_bytes=12 * MiB)  # fits the fixed 4 MiB, not a 1024-batch step
     cb = MemoryTenantsCallback(memory_source=source, postmortem_dir=tmp_path, print_summary=False)
@@ -211,7 +212,7 @@ def test_variable_size_batches_warn_when_a_larger_one_would_not_fit() -> None:
 
 
 def _fresh_tracker():
-    from lightning_memtenants.sources import TrackerSource
+    from lightning_memtenants.core.sources import TrackerSource
 
     return TrackerSource(scan=False)
 

@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_memtenants.callback as callback_module
+import lightning_memtenants.lightning.callback as callback_module
 from lightning_memtenants import PHASES, MemoryTenantsCallback
-from lightning_memtenants.report import MiB
+from lightning_memtenants.units import MiB
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -117,16 +117,50 @@ def test_peak_matches_pytorch_memtracker() -> None:
     assert result["phase"] == "batch_end"
 
 
+class LoggingTinyModule(L.LightningModule):
+    """TinyModule's net, logging its loss the way a user does, to see where Lightning puts the user's scalars."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).pow(2).mean()
+        self.log("user_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+
+@pytest.mark.parametrize(("steps", "every", "accumulate"), [(7, 3, 1), (6, 2, 2), (4, 1, 1)])
+def test_scalars_land_on_the_users_own_logging_steps(steps: int, every: int, accumulate: int) -> None:
+    cb, logger = MemoryTenantsCallback(print_summary=False), RecordingLogger()
+    trainer = make_trainer(
+        [cb], steps=steps, log_every_n_steps=every, logger=logger, accumulate_grad_batches=accumulate
+    )
+    trainer.fit(LoggingTinyModule(), tiny_loader(n=64))
+    users = [step for step, metrics in logger.logged if "user_loss" in metrics]
+    ours = [step for step, metrics in logger.logged if "memtenants/weights_MiB" in metrics]
+    # Lightning logs the step b (optimizer steps taken before it) where (b + 1) % every == 0; the first is ours too
+    expected = [b for b in range(steps) if (b + 1) % every == 0]
+    assert users == expected
+    assert ours == sorted({0, *expected})
+    measured = [step for step, metrics in logger.logged if "memtenants/peak_MiB" in metrics]
+    assert measured == ours  # the tracker measured exactly the logged steps
+
+
 def test_tracker_runs_on_logging_steps_by_default() -> None:
     cb = MemoryTenantsCallback(print_summary=False)
-    make_trainer([cb], steps=4, log_every_n_steps=2).fit(TinyModule(), tiny_loader())
+    make_trainer([cb], steps=4, log_every_n_steps=3).fit(TinyModule(), tiny_loader())
+    # steps 0 (the first) and 2 ((2 + 1) % 3 == 0) are measured; 3 is not
     assert cb.latest.step == 3 and cb.latest.peak_bytes is None
     assert cb.latest.peak_explanation == "peak not measured: no memory source measured this step"
     assert cb.latest.phases["batch_end"].allocated_bytes is None
     assert cb.latest_measured.step == 2 and cb.latest_measured.peak_bytes > 0
     every = MemoryTenantsCallback(track_every_step=True, print_summary=False)
-    make_trainer([every], steps=4, log_every_n_steps=2).fit(TinyModule(), tiny_loader())
-    assert every.latest.peak_bytes is not None
+    make_trainer([every], steps=4, log_every_n_steps=3).fit(TinyModule(), tiny_loader())
+    assert every.latest.step == 3 and every.latest.peak_bytes is not None
     none = MemoryTenantsCallback(memory_source="none", print_summary=False)
     make_trainer([none], steps=1).fit(TinyModule(), tiny_loader())
     assert none.latest.peak_bytes is None and none.latest.memory_source == "not measured"
@@ -332,5 +366,8 @@ def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
 
 def test_log_every_n_steps_option() -> None:
     logger = RecordingLogger()
-    make_trainer([MemoryTenantsCallback(log_every_n_steps=2)], steps=4, logger=logger).fit(TinyModule(), tiny_loader())
-    assert len(logger.logged) == 2
+    cb = MemoryTenantsCallback(log_every_n_steps=2)
+    make_trainer([cb], steps=4, logger=logger, log_every_n_steps=50).fit(TinyModule(), tiny_loader())
+    # ours every 2 steps (b + 1) % 2 == 0, and the first; the trainer's 50 governs only Lightning's own scalars
+    assert [step for step, _ in logger.logged] == [0, 1, 3]
+    assert all("memtenants/peak_MiB" in metrics for _, metrics in logger.logged)

@@ -6,7 +6,8 @@ from seed_mlp import seed_model
 from torch import nn
 from torch._subclasses import FakeTensorMode
 
-from lightning_memtenants.census import ActivationTracker, storage_key, take_census, unique_storage_bytes
+from lightning_memtenants.core.census import ActivationTracker, take_census
+from lightning_memtenants.core.storage import storage_key, unique_storage_bytes
 
 
 def test_views_and_shared_storages_count_once() -> None:

@@ -8,7 +8,7 @@ from anatomy_predicted import ARTICLE, predicted_rows
 from torch import nn
 
 from lightning_memtenants import predict
-from lightning_memtenants.cuda_model import (
+from lightning_memtenants.predict.cuda_model import (
     GPUS,
     CachingAllocatorModel,
     cublas_workspace_bytes,

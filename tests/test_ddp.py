@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import CLOSURE_DIVISOR
 from torch import nn
 
-from lightning_memtenants.formulas import StateSpec, fsdp_fixed_cost_bytes, zero_state_bytes
+from lightning_memtenants.analysis.formulas import StateSpec, fsdp_fixed_cost_bytes, zero_state_bytes
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
 P = 32 * 64 + 64 + 64 * 16 + 16  # 3,152 parameters in 4 tensors
@@ -83,7 +83,7 @@ def test_zero_redundancy_optimizer_state_is_sharded_and_exact(ranks: list[dict[s
 
 def test_rank_zero_logs_every_rank_and_the_cross_rank_max_and_min(ranks: list[dict[str, Any]]) -> None:
     logged = ranks[0]["ddp"]["logged"]
-    assert [step for step, _ in logged] == [0, 2]  # log_every_n_steps=2, 4 steps
+    assert [step for step, _ in logged] == [0, 1, 3]  # log_every_n_steps=2, 4 steps: (b + 1) % 2 == 0, and the first
     metrics = logged[-1][1]
     activations = [2 * 80 * 4 + CLOSURE_DIVISOR, 4 * 80 * 4 + CLOSURE_DIVISOR]
     for rank in (0, 1):

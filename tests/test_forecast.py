@@ -5,9 +5,11 @@ import torch
 from torch import nn
 
 from lightning_memtenants import TenantMonitor
-from lightning_memtenants.forecast import PeakForecast, batch_elements, parse_bytes
-from lightning_memtenants.sources import TrackerSource
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants.analysis.forecast import PeakForecast
+from lightning_memtenants.core.sources import TrackerSource
+from lightning_memtenants.core.storage import batch_elements
+from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.units import parse_bytes
 
 
 @pytest.mark.parametrize(

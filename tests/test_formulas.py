@@ -6,8 +6,8 @@ from conftest import SEED_P, SEED_WEIGHTS
 from seed_mlp import seed_model
 from torch import nn
 
-from lightning_memtenants.census import take_census
-from lightning_memtenants.formulas import expected_fixed_cost, explain_fixed_cost
+from lightning_memtenants.analysis.formulas import expected_fixed_cost, explain_fixed_cost
+from lightning_memtenants.core.census import take_census
 
 # Two weight matrices and two biases: 3*5 + 5 + 5*2 + 2 = 32 parameters in 4 tensors.
 P, TENSORS = 32, 4

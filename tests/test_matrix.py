@@ -318,7 +318,7 @@ def test_activation_checkpointing_shrinks_activations_and_says_why() -> None:
 def test_the_autocast_sentence_follows_the_plugin_s_cache() -> None:
     from lightning.pytorch.plugins.precision import FSDPPrecision
 
-    from lightning_memtenants.engines import precision_notes
+    from lightning_memtenants.analysis.engines import precision_notes
 
     model = nn.Linear(2, 2)
     mixed = precision_notes(MixedPrecision("bf16-mixed", "cpu"), model, "cpu")

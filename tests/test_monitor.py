@@ -48,7 +48,7 @@ def test_unknown_phase_is_refused() -> None:
 
 
 def test_failing_census_warns_once_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_memtenants.census import TenantCounter
+    from lightning_memtenants.core.census import TenantCounter
 
     def broken(*args, **kwargs):
         raise RuntimeError("census exploded")
@@ -75,7 +75,7 @@ def test_failing_activation_tracker_disables_only_activations(monkeypatch: pytes
 
     import types
 
-    import lightning_memtenants.census as census_module
+    import lightning_memtenants.core.census as census_module
 
     def broken(storage):
         raise RuntimeError("graph walk exploded")
@@ -87,7 +87,7 @@ def test_failing_activation_tracker_disables_only_activations(monkeypatch: pytes
         assert report.tenants_bytes["weights"] == 80
         assert report.tenants_bytes["activations"] == 0
     assert len(warnings) == 1 and "activations is disabled" in warnings[0]
-    assert "activations" in monitor.disabled and "census" not in monitor.disabled
+    assert not monitor.measures("activations") and monitor.measures("census")
 
 
 def test_identical_numerics_with_and_without_monitor() -> None:

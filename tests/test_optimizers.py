@@ -11,8 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memtenants import TenantMonitor
-from lightning_memtenants.census import ActivationTracker, checkpointed_regions, take_census
-from lightning_memtenants.formulas import (
+from lightning_memtenants.analysis.formulas import (
     StateSpec,
     deepspeed_estimator_bytes,
     deepspeed_zero_bytes,
@@ -27,7 +26,8 @@ from lightning_memtenants.formulas import (
     zero_partition,
     zero_state_bytes,
 )
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants.core.census import ActivationTracker, checkpointed_regions, take_census
+from lightning_memtenants.core.tracker import LiveTensorTracker
 
 
 def meta_seed_step(dtype: torch.dtype, factory) -> tuple[dict[str, int], object]:

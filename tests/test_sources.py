@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memtenants.sources import (
+from lightning_memtenants.core.sources import (
     AcceleratorSource,
     CudaSource,
     MemorySource,

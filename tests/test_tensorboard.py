@@ -27,10 +27,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_memtenants.tensorboard as panels
+import lightning_memtenants.render.tensorboard as panels
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.report import PARTS, MiB
-from lightning_memtenants.tensorboard import custom_scalars_layout, desk_figure, summary_markdown
+from lightning_memtenants.names import PARTS
+from lightning_memtenants.render.table import summary_markdown
+from lightning_memtenants.render.tags import DESK, POSTMORTEM, SUMMARY, custom_scalars_layout, tag
+from lightning_memtenants.render.tensorboard import desk_figure
+from lightning_memtenants.units import MiB
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
@@ -198,7 +201,7 @@ def test_desk_picture_draws_the_report(seed_run) -> None:
 
 def test_every_panel_tag_is_in_the_readme() -> None:
     documented = documented_tags()
-    assert {panels.TAG_DESK, panels.TAG_SUMMARY, panels.TAG_POSTMORTEM} <= documented
+    assert {tag(DESK), tag(SUMMARY), tag(POSTMORTEM)} <= documented
     assert {tag for charts in custom_scalars_layout().values() for _, tags in charts.values() for tag in tags} <= (
         documented
     )
@@ -234,14 +237,14 @@ def test_desk_rate_follows_the_option(tmp_path) -> None:
     cb = MemoryTenantsCallback(desk_every_n_logs=2, print_summary=False)
     make_trainer([cb], steps=5, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(5))
     events = read_events(tmp_path)
-    assert [image.step for image in events.Images(panels.TAG_DESK)] == [0, 2, 4]  # the last is not drawn twice
+    assert [image.step for image in events.Images(tag(DESK))] == [0, 2, 4]  # the last is not drawn twice
     assert len(events.Scalars("memtenants/weights_MiB")) == 5
 
 
 def test_desk_every_0_draws_only_at_the_end(tmp_path) -> None:
     cb = MemoryTenantsCallback(desk_every_n_logs=0, print_summary=False)
     make_trainer([cb], steps=3, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(3))
-    assert [image.step for image in read_events(tmp_path).Images(panels.TAG_DESK)] == [2]
+    assert [image.step for image in read_events(tmp_path).Images(tag(DESK))] == [2]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "10", None])
@@ -276,7 +279,8 @@ def test_a_failing_picture_warns_once_and_disables_only_the_picture(tmp_path, mo
         make_trainer([cb], steps=3, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(3))
     messages = [str(w.message) for w in caught if "memtenants" in str(w.message)]
     assert messages == [
-        "memtenants: measuring desk picture failed (RuntimeError: no renderer); desk picture is disabled from now on"
+        "memtenants: drawing the desk picture failed (RuntimeError: no renderer); the desk picture is disabled"
+        " from now on"
     ]
     events = read_events(tmp_path)
     assert events.Tags()["images"] == []

@@ -4,7 +4,7 @@ import torch
 from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants.core.tracker import LiveTensorTracker
 
 F32 = 4
 
@@ -104,7 +104,7 @@ def test_fake_tensors_are_tracked_by_storage_identity_in_a_prediction() -> None:
 
 
 def test_fake_and_meta_tensors_are_never_memory_in_a_real_run() -> None:
-    from lightning_memtenants.tracker import _live_tensors
+    from lightning_memtenants.core.tracker import _live_tensors
 
     # inductor leaves FakeTensors alive after a cold compile; their .device says cpu
     with FakeTensorMode():

@@ -1,14 +1,25 @@
-"""lightning-memtenants: what is using your training memory, tenant by tenant."""
+"""lightning-memtenants: what is using your training memory, tenant by tenant.
 
-from lightning_memtenants.alerts import LeakDetector, MemoryBudgetError
-from lightning_memtenants.callback import MemoryTenantsCallback
-from lightning_memtenants.census import TENANTS, ActivationTracker, TenantCounter, take_census
-from lightning_memtenants.dryrun import Prediction, dry_run, largest_batch_size, predict, sweep
-from lightning_memtenants.forecast import PeakForecast, parse_bytes
-from lightning_memtenants.formulas import FixedCost, expected_fixed_cost, explain_fixed_cost
-from lightning_memtenants.monitor import TenantMonitor
-from lightning_memtenants.report import PHASES, PhaseReport, StepReport, format_table
-from lightning_memtenants.sources import (
+The package is a pipeline: ``core`` measures, ``analysis`` explains, ``render`` prints and logs;
+``predict`` runs the same pipeline under fake tensors, and ``lightning`` wires it to a Trainer.
+"""
+
+from lightning_memtenants.analysis.budget import MemoryBudgetError
+from lightning_memtenants.analysis.forecast import PeakForecast
+from lightning_memtenants.analysis.formulas import (
+    FixedCost,
+    deepspeed_estimator_bytes,
+    deepspeed_zero_bytes,
+    expected_fixed_cost,
+    explain_fixed_cost,
+    fsdp_fixed_cost_bytes,
+    fsdp_gathered_bytes,
+    zero_state_bytes,
+)
+from lightning_memtenants.analysis.leaks import LeakDetector
+from lightning_memtenants.core.census import ActivationTracker, TenantCounter, take_census
+from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport
+from lightning_memtenants.core.sources import (
     AcceleratorSource,
     CudaSource,
     MemorySource,
@@ -17,10 +28,17 @@ from lightning_memtenants.sources import (
     TrackerSource,
     source_for,
 )
-from lightning_memtenants.tracker import LiveTensorTracker
-from lightning_memtenants.transformer import ActivationCheck, activation_check, korthikanti_bytes
+from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.lightning.callback import MemoryTenantsCallback
+from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.names import PARTS, PHASES, TENANTS, Part, Phase, Tenant
+from lightning_memtenants.predict.dryrun import Prediction, dry_run, largest_batch_size, predict, sweep
+from lightning_memtenants.predict.transformer import ActivationCheck, activation_check, korthikanti_bytes
+from lightning_memtenants.render.table import format_table, summary_markdown
+from lightning_memtenants.units import parse_bytes
 
 __all__ = [
+    "PARTS",
     "PHASES",
     "TENANTS",
     "AcceleratorSource",
@@ -28,30 +46,40 @@ __all__ = [
     "ActivationTracker",
     "CudaSource",
     "FixedCost",
+    "GraphCounts",
     "LeakDetector",
     "LiveTensorTracker",
     "MemoryBudgetError",
     "MemorySource",
     "MemoryTenantsCallback",
     "MpsSource",
+    "Part",
     "PeakForecast",
+    "Phase",
     "PhaseReport",
     "Prediction",
     "Reading",
     "StepReport",
+    "Tenant",
     "TenantCounter",
     "TenantMonitor",
     "TrackerSource",
     "activation_check",
+    "deepspeed_estimator_bytes",
+    "deepspeed_zero_bytes",
     "dry_run",
     "expected_fixed_cost",
     "explain_fixed_cost",
     "format_table",
+    "fsdp_fixed_cost_bytes",
+    "fsdp_gathered_bytes",
     "korthikanti_bytes",
     "largest_batch_size",
     "parse_bytes",
     "predict",
     "source_for",
+    "summary_markdown",
     "sweep",
     "take_census",
+    "zero_state_bytes",
 ]

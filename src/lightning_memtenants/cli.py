@@ -12,7 +12,6 @@ must offer ``example_batch(batch_size, seq_len=None)``, which builds a batch for
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -26,11 +25,13 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from lightning_memtenants.census import batch_tensors
-from lightning_memtenants.cuda_model import resolve_gpu
-from lightning_memtenants.dryrun import PRECISIONS, TARGETS, dry_run, largest_batch_size
-from lightning_memtenants.forecast import brief, parse_bytes
-from lightning_memtenants.report import MiB, format_table
+from lightning_memtenants.checks import brief
+from lightning_memtenants.core.storage import batch_tensors
+from lightning_memtenants.predict.cuda_model import resolve_gpu
+from lightning_memtenants.predict.dryrun import TARGETS, dry_run, largest_batch_size
+from lightning_memtenants.predict.fake import PRECISIONS
+from lightning_memtenants.render.table import format_table
+from lightning_memtenants.units import MiB, parse_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,7 +163,7 @@ def _predict(args: argparse.Namespace) -> int:
             "budget_bytes": budget,
             "largest_batch_size": largest,
             "notes": prediction.notes,
-            "report": dataclasses.asdict(report),
+            "report": report.to_dict(),
         }
         text = json.dumps(document, indent=2)
         if json_path is None:

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memtenants.census import batch_tensors, is_param_cast, storage_key
-from lightning_memtenants.report import MiB
+from lightning_memtenants._private import TorchDispatchMode
+from lightning_memtenants.core.census import is_param_cast
+from lightning_memtenants.core.storage import batch_tensors, storage_key
+from lightning_memtenants.predict.fake import PRECISIONS, fake_batch, fake_module, fake_session, forward_context
+from lightning_memtenants.units import MiB
 
 _FUSED_ATTENTION = (
     "_scaled_dot_product_flash_attention",
@@ -83,11 +85,6 @@ class ActivationCheck:
         """The mean layer's bytes that fall into a term of the formula (everything but ``other``)."""
         return sum(t.measured_bytes for t in self.terms if t.name != "other")
 
-    @property
-    def reasons(self) -> list[str]:
-        """Why each term differs from the formula, in words."""
-        return [f"{t.name}: {t.detail}" for t in self.terms]
-
     def summary(self) -> str:
         lines = [
             f"activations per layer: measured {self.mean_layer_bytes / MiB:.2f} MiB, Korthikanti et al."
@@ -134,13 +131,11 @@ def activation_check(
     and ``heads`` to the usual attribute names (``n_embd``/``hidden_size``, ``n_head``/``num_heads``),
     and ``s``, ``b`` to the shape of the batch's first tensor.
     """
-    from lightning_memtenants.dryrun import PRECISIONS, _fake_batch, _fake_module, _forward_context, fake_session
-
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     param_dtype, autocast_dtype = PRECISIONS[precision]
     with fake_session() as mode:
-        fake = _fake_module(model, mode, param_dtype)
+        fake = fake_module(model, mode, param_dtype)
         fake.train()
         blocks = layers if layers is not None else _longest_module_list(fake)
         if layers is not None and isinstance(model, nn.Module):
@@ -153,11 +148,11 @@ def activation_check(
         heads = heads or _find_attribute(fake, _HEAD_NAMES)
         if hidden is None or heads is None:
             raise ValueError("hidden and heads could not be read from the model; pass hidden=... and heads=...")
-        fake_batch = _fake_batch(batch, fake, param_dtype)
-        first = batch_tensors(fake_batch)[0]
+        faked = fake_batch(batch, fake, param_dtype)
+        first = batch_tensors(faked)[0]
         batch_size, seq_len = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
-        forward = _forward_context(param_dtype, autocast_dtype)
-        saved, ops = _measure(fake, fake_batch, blocks, forward, loss_fn)
+        forward = forward_context(param_dtype, autocast_dtype)
+        saved, ops = _measure(fake, faked, blocks, forward, loss_fn)
     formula = korthikanti_bytes(seq_len, batch_size, hidden, heads)
     per_layer = [sum(t.nbytes for t in layer) for layer in saved]
     check = ActivationCheck(per_layer, formula, seq_len, batch_size, hidden, heads)

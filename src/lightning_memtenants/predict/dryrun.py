@@ -9,22 +9,23 @@ its memory source, so the prediction is a :class:`StepReport` read exactly as ``
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import inspect
-import logging
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants.census import batch_tensors
-from lightning_memtenants.cuda_model import (
+from lightning_memtenants._private import lightning_optimizers
+from lightning_memtenants.analysis.forecast import PeakForecast
+from lightning_memtenants.checks import brief
+from lightning_memtenants.core.record import PhaseReport, StepReport
+from lightning_memtenants.core.sources import TrackerSource
+from lightning_memtenants.core.storage import batch_elements, batch_tensors
+from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
+from lightning_memtenants.predict.cuda_model import (
     HOST_OPS,
     OUTSIDE_ALLOCATOR,
     CachingAllocatorModel,
@@ -33,20 +34,8 @@ from lightning_memtenants.cuda_model import (
     host_state_bytes,
     resolve_gpu,
 )
-from lightning_memtenants.forecast import PeakForecast, batch_elements, brief
-from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
-from lightning_memtenants.report import PhaseReport, StepReport
-from lightning_memtenants.sources import TrackerSource
+from lightning_memtenants.predict.fake import PRECISIONS, eager, fake_batch, fake_module, fake_session, forward_context
 
-PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    # precision: (parameter dtype, autocast dtype)
-    "32-true": (None, None),
-    "64-true": (torch.float64, None),
-    "16-true": (torch.float16, None),
-    "bf16-true": (torch.bfloat16, None),
-    "16-mixed": (None, torch.float16),
-    "bf16-mixed": (None, torch.bfloat16),
-}
 TARGETS = ("cpu", "cuda")
 
 ModelArg = nn.Module | Callable[[], nn.Module]
@@ -131,13 +120,13 @@ def dry_run(
     param_dtype, autocast_dtype = PRECISIONS[precision]
     gpu_target = resolve_gpu(gpu) if target == "cuda" else None
     with fake_session() as mode:
-        fake = _fake_module(model, mode, param_dtype)
+        fake = fake_module(model, mode, param_dtype)
         fake.train()
         lightning = loss_fn is None and _is_lightning(fake)
         if loss_fn is None and not lightning:
             raise ValueError("loss_fn is required for a plain nn.Module: loss_fn(model, batch) -> loss tensor")
-        fake_batch = _fake_batch(batch, fake, param_dtype)
-        elements, batch_bytes = batch_elements(fake_batch)
+        faked = fake_batch(batch, fake, param_dtype)
+        elements, batch_bytes = batch_elements(faked)
         optimizers = _optimizers(fake, optimizer, lightning)
         if gpu_target is None:
             source = TrackerSource("cpu", scan=False, count_fake=True)
@@ -157,8 +146,8 @@ def dry_run(
         threads: Any = contextlib.nullcontext()
         if gpu_target is not None:
             threads = CublasWorkspaces(source.tracker, gpu_target.workspace_bytes())
-            monitor.parts["cublas_workspace"] = lambda: threads.bytes
-            monitor.parts["allocator_rounding"] = lambda: source.tracker.rounding_bytes
+            monitor.add_part("cublas_workspace", lambda: threads.bytes)
+            monitor.add_part("allocator_rounding", lambda: source.tracker.rounding_bytes)
             notes.append(
                 f"predicted for CUDA on {gpu_target.name} (compute capability {gpu_target.capability[0]}."
                 f"{gpu_target.capability[1]}): blocks rounded to 512 bytes, a cuBLAS workspace of"
@@ -167,20 +156,19 @@ def dry_run(
             for opt in optimizers:
                 notes.extend(cuda_optimizer_defaults(opt))
             notes.append(OUTSIDE_ALLOCATOR)
-        monitor.notes.extend(notes)
-        forward = _forward_context(param_dtype, autocast_dtype, cache=not lightning)
+        for note in notes:
+            monitor.add_note(note)
+        forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
         try:
-            with threads, _eager():
+            with threads, eager():
                 for index in range(steps):
-                    reports.append(
-                        _step(fake, fake_batch, index, optimizers, monitor, forward, loss_fn, lightning, threads)
-                    )
+                    reports.append(_step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads))
         finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
             monitor.close()
         if gpu_target is not None:
             reports = [_without_host_state(report, optimizers) for report in reports]
-    return Prediction(reports, elements, batch_bytes, _leading_size(fake_batch), notes)
+    return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
 
 
 def sweep(
@@ -305,76 +293,6 @@ def _validate(
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
 
 
-@contextlib.contextmanager
-def fake_session() -> Iterator[Any]:
-    """A fake-tensor mode for the user's code, quiet about what only a run without a Trainer would say.
-
-    Lightning warns that ``self.log`` has no Trainer; torch logs a traceback at ERROR level for an operator
-    whose shapes do not fit (the error itself still reaches the caller) and warns about data pointers of
-    fake tensors. None of that is the user's business in a prediction.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    # A shape environment lets ``loss.item()`` in user code return a symbol instead of failing.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    try:
-        with mode, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*self.log.*")
-            warnings.filterwarnings("ignore", message=".*not attached to a .Trainer.*")
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            yield mode
-    finally:
-        logger.setLevel(level)
-
-
-def _fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied."""
-    if not isinstance(model, nn.Module):
-        built = model()
-        if not isinstance(built, nn.Module):
-            raise ValueError(f"model() must build an nn.Module, got {type(built).__name__}")
-    else:
-        memo: dict[int, Any] = {}
-        for tensor in (*model.parameters(), *model.buffers()):
-            if id(tensor) not in memo:
-                # a model built on the meta device has shapes and no memory: its fakes are CPU tensors like the rest
-                plain = tensor.detach()
-                fake = torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype) if plain.is_meta else None
-                fake = mode.from_tensor(plain) if fake is None else fake
-                if isinstance(tensor, nn.Parameter):
-                    fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-                memo[id(tensor)] = fake
-        for module in model.modules():
-            for name in ("_trainer", "_fabric"):
-                attached = module.__dict__.get(name)
-                if attached is not None:
-                    memo[id(attached)] = None
-        built = copy.deepcopy(model, memo)
-    if dtype is not None:
-        _cast(built, dtype)
-    return built
-
-
-def _cast(module: nn.Module, dtype: torch.dtype) -> None:
-    """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
-    done: dict[int, Tensor] = {}
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in done:
-                    cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
-                    if isinstance(tensor, nn.Parameter):
-                        cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
-                    done[id(tensor)] = cast
-                table[name] = done[id(tensor)]
-
-
 def _is_lightning(module: nn.Module) -> bool:
     return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
 
@@ -405,44 +323,6 @@ def _without_host_state(report: StepReport, optimizers: list[Optimizer]) -> Step
     )
 
 
-def _fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
-    given = batch
-    if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
-        batch = batch(module) if _arity(batch) == 1 else batch()
-
-    def shape(size: torch.Size) -> Tensor:
-        if any(dim < 0 for dim in size):
-            raise ValueError(f"batch sizes must be 0 or more, got {size!r}")
-        return torch.empty(size, dtype=dtype or torch.float32)
-
-    def tensor(t: Tensor) -> Tensor:
-        fake = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t.detach().clone()
-        if dtype is not None and fake.is_floating_point():
-            fake = fake.to(dtype)  # Lightning's true-precision plugins cast floating inputs too
-        return fake
-
-    batch = apply_to_collection(batch, torch.Size, shape)
-    batch = apply_to_collection(batch, Tensor, tensor)
-    if not batch_tensors(batch):
-        made = " (what the batch callable returned)" if given is not batch else ""
-        raise ValueError(f"batch must contain at least one tensor or torch.Size, got {brief(batch)}{made}")
-    return batch
-
-
-def _arity(make: Callable[..., Any]) -> int:
-    """How many arguments a batch callable takes: none, or one (the model); anything else is refused."""
-    try:
-        parameters = inspect.signature(make).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: call it bare
-        return 0
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    if len(required) > 1:
-        names = ", ".join(p.name for p in required)
-        raise ValueError(f"batch must be a callable of no argument or of one (the model), got one of ({names})")
-    return 1 if positional else 0
-
-
 def _loss_of(out: Any, who: str) -> Tensor:
     """The loss a step returned, or one clear error naming who returned what."""
     loss = out.get("loss") if isinstance(out, dict) else out
@@ -464,33 +344,7 @@ def _optimizers(module: nn.Module, factory: Callable[..., Optimizer] | None, lig
         if not isinstance(made, Optimizer):
             raise ValueError(f"optimizer(params) must return a torch.optim.Optimizer, got {brief(made)}")
         return [made]
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())  # type: ignore[operator]
-    return list(optimizers)
-
-
-def _forward_context(
-    param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None, *, cache: bool = True
-) -> Callable[[], Any]:
-    """The forward's precision context; Lightning's mixed-precision plugin runs autocast without its cache."""
-
-    @contextlib.contextmanager
-    def context() -> Iterator[None]:
-        if autocast_dtype is not None:
-            with torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=cache):
-                yield
-        elif param_dtype is not None:
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(param_dtype)
-            try:
-                yield
-            finally:
-                torch.set_default_dtype(default)
-        else:
-            yield
-
-    return context
+    return lightning_optimizers(module)
 
 
 def _step(
@@ -579,12 +433,6 @@ def _attach_manual(
         del module.optimizers
 
     return restore
-
-
-def _eager() -> Any:
-    """Run compiled code as plain PyTorch: Dynamo cannot compile for fake tensors the step did not make."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _raise(message: str) -> None:

@@ -23,22 +23,21 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
-from lightning_memtenants.census import storages_of
+from lightning_memtenants._private import (
+    FakeTensor,
+    TorchDispatchMode,
+    inner_tensors,
+    is_traceable_wrapper_subclass,
+    mode_stack,
+    tree_leaves,
+)
+from lightning_memtenants.core.storage import storages_of
 
 
 def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        for attr in attrs:
-            inner = getattr(tensor, attr)
-            if isinstance(inner, Tensor):
-                yield from _storages(inner)
-    else:
-        yield from storages_of(tensor)
+    for inner in inner_tensors(tensor):
+        yield from storages_of(inner)
 
 
 def _is_fake(tensor: Tensor) -> bool:
@@ -102,32 +101,23 @@ def _exit_mode(mode: TorchDispatchMode) -> None:
     ``TorchDispatchMode.__exit__`` pops the top of the stack, whatever it is; so the modes above
     ours are lifted off, ours leaves, and they go back in their order, untouched.
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
-
     above: list[TorchDispatchMode] = []
-    while _get_current_dispatch_mode() not in (mode, None):
-        above.append(_pop_mode())
+    while mode_stack.top() not in (mode, None):
+        above.append(mode_stack.pop())
     try:
-        if _get_current_dispatch_mode() is mode:
+        if mode_stack.top() is mode:
             below = _saved_flags(mode)
             mode.__exit__(None, None, None)
             if above and below is not None:
                 _forget_in_flags(below, list(reversed(above)))
     finally:
         for other in reversed(above):
-            _push_mode(other)
-
-
-_FLAG_DEQUES = (
-    "old_dispatch_mode_flags",
-    "old_non_infra_dispatch_mode_flags",
-    "old_without_ignore_compile_internals_dispatch_mode_flags",
-)
+            mode_stack.push(other)
 
 
 def _saved_flags(mode: TorchDispatchMode) -> tuple[bool, bool, bool] | None:
     """The "a mode is active" flags ``mode`` saved on entering: what they were below it."""
-    deques = [getattr(mode, name, None) for name in _FLAG_DEQUES]
+    deques = [getattr(mode, name, None) for name in mode_stack.FLAG_DEQUES]
     if not all(deques):
         return None
     return deques[0][-1], deques[1][-1], deques[2][-1]  # type: ignore[index]
@@ -139,20 +129,15 @@ def _forget_in_flags(below: tuple[bool, bool, bool], above: list[TorchDispatchMo
     Each mode saves torch's "a mode is active" flags on entering and puts them back on leaving; the
     modes above ours saved values that include ours, which they would otherwise restore after we left.
     """
-    import torch.utils._python_dispatch as dispatch
-
     active, non_infra, without_ignore = below
     for other in above:  # in the order they were entered
-        saved = [getattr(other, name, None) for name in _FLAG_DEQUES]
+        saved = [getattr(other, name, None) for name in mode_stack.FLAG_DEQUES]
         if all(saved):
             saved[0][-1], saved[1][-1], saved[2][-1] = active, non_infra, without_ignore  # type: ignore[index]
         active = True
         non_infra = non_infra or not other.is_infra_mode()
         without_ignore = without_ignore or not other.ignore_compile_internals()
-    dispatch._is_in_torch_dispatch_mode = active
-    dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
-    dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
-    dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
+    mode_stack.set_flags(active, non_infra, without_ignore)
 
 
 class _Mode(TorchDispatchMode):

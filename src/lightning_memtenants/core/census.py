@@ -1,15 +1,13 @@
 """Tenant census: the bytes each tenant holds, counted from the tensors themselves.
 
-Counting from tensors (not from an allocator) makes the census exact on any device,
-fake and meta tensors included. Each storage is counted once, keyed by the identity of
-its ``StorageImpl``; ``data_ptr()`` would be 0 for every fake tensor.
+Counting from tensors (not from an allocator) makes the census exact on any device, fake and
+meta tensors included. The activations are read from the loss's autograd graph, with no hook.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -17,109 +15,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants.formulas import local_optimizer
-
-TENANTS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
-
-
-_SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
-
-
-def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:
-    """The storages behind a tensor: its own, or a sparse tensor's indices and values.
-
-    Another layout raises ``ValueError``: a measurement that cannot count a tensor says so (and is
-    disabled with a warning) rather than leaving it out.
-    """
-    if tensor.layout is torch.strided:
-        return (tensor.untyped_storage(),)
-    parts = _SPARSE_PARTS.get(tensor.layout)
-    if parts is None:
-        raise ValueError(f"cannot count the storage of a tensor with layout {tensor.layout}")
-    return tuple(getattr(tensor, name)().untyped_storage() for name in parts)
-
-
-def storage_key(tensor: Tensor) -> int:
-    """Identity of the storage behind ``tensor``, valid for as long as the storage lives.
-
-    PyTorch keeps one Python object per live storage, shared by every view of it, so its
-    ``id`` is the storage's identity; it works where ``data_ptr()`` is 0 (fake and meta tensors).
-    """
-    return id(tensor.untyped_storage())
-
-
-_PLAIN = (Tensor, nn.Parameter)
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallel), else the tensor itself.
-
-    A DTensor is a wrapper whose own storage has the global size; what this rank holds is its local shard.
-    """
-    return getattr(tensor, "_local_tensor", tensor)
-
-
-def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``."""
-    total = 0
-    add = seen.add
-    for tensor in tensors:
-        if type(tensor) not in _PLAIN:
-            tensor = local_tensor(tensor)
-        for storage in storages_of(tensor):
-            key = id(storage)
-            if key not in seen:
-                add(key)
-                total += storage.nbytes()
-    return total
-
-
-def _tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[Tensor]:
-    """The tensors inside ``value``: mappings, lists, tuples and dataclasses, read without rebuilding them."""
-    if isinstance(value, Tensor):
-        yield value
-        return
-    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
-        return
-    if isinstance(value, Mapping):
-        items: Iterable[Any] = value.values()
-    elif isinstance(value, (list, tuple)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    else:
-        return
-    seen = set() if _seen is None else _seen
-    if id(value) in seen:  # a collection that contains itself
-        return
-    seen.add(id(value))
-    for item in items:
-        yield from _tensors_in(item, seen)
-
-
-def batch_tensors(batch: Any) -> list[Tensor]:
-    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses); other objects hold none."""
-    return list(_tensors_in(batch))
-
-
-def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
-    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included.
-
-    A ZeroRedundancyOptimizer's state is read from the local optimizer that holds this rank's shard.
-    """
-    for optimizer in map(local_optimizer, optimizers):
-        for state in optimizer.state.values():
-            for value in state.values() if isinstance(state, dict) else (state,):
-                if isinstance(value, Tensor):
-                    yield value
-                else:
-                    yield from _tensors_in(value)
+from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, local_tensor
+from lightning_memtenants.core.storage import (
+    PLAIN,
+    optimizer_state_tensors,
+    storages_of,
+    tensors_in,
+    unique_storage_bytes,
+)
+from lightning_memtenants.names import Tenant
 
 
 class ActivationTracker:
@@ -187,7 +91,7 @@ class ActivationTracker:
         if self.error is not None:
             return
         try:
-            self._walk([t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None])
+            self._walk([t.grad_fn for t in tensors_in(output) if t.grad_fn is not None])
         except Exception as error:  # reading the graph must never fail the user's step
             self.error = error
 
@@ -217,7 +121,7 @@ class ActivationTracker:
             seen.add(node)
             kind = _NODE_KINDS.get(type(node))
             if kind is None:
-                names = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+                names = tuple(n for n in dir(node) if n.startswith(SAVED_PREFIX))
                 kind = _NODE_KINDS[type(node)] = (names, _special(type(node).__name__))
             names, special = kind
             if special == "reentrant":
@@ -255,14 +159,14 @@ class ActivationTracker:
     def _hooked_item(self, item: Any, offloaded: set[int]) -> None:
         """A ``SavedTensor`` a user's pack hook packed: the tensors in what it returned are what is kept."""
         self.hooked += 1
-        packed = list(_tensors_in(item.data))
+        packed = list(tensors_in(item.data))
         if not packed:
             self.opaque += 1
         for tensor in packed:
             self._record(tensor, offloaded)
 
     def _record(self, tensor: Tensor, offloaded: set[int]) -> None:
-        if type(tensor) not in _PLAIN:
+        if type(tensor) not in PLAIN:
             tensor = local_tensor(tensor)
         elsewhere = self.device_type is not None and tensor.device.type != self.device_type
         for storage in storages_of(tensor):
@@ -292,7 +196,7 @@ def _checkpoint_inputs(hook: Any) -> list[Any]:
         except ValueError:  # an empty cell
             continue
         if isinstance(saved, list):
-            return [arg for arg in saved if isinstance(arg, torch._C._autograd.SavedTensor)]
+            return [arg for arg in saved if isinstance(arg, SavedTensor)]
     return []
 
 
@@ -322,12 +226,7 @@ def _live(records: dict[int, tuple[weakref.ref, int]], exclude: set[int] | froze
 
 def is_param_cast(tensor: Tensor, params: frozenset[int] | set[int]) -> bool:
     """Whether ``tensor`` (or the base it views) is a dtype cast of a parameter: ``_to_copy`` of a leaf."""
-    base = tensor._base if tensor._is_view() else tensor
-    fn = base.grad_fn if base is not None else None
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    source = fn.next_functions[0][0] if fn.next_functions else None
-    return id(getattr(source, "variable", None)) in params
+    return id(cast_source(tensor)) in params
 
 
 def checkpointed_regions(output: Tensor) -> int:
@@ -372,7 +271,7 @@ class TenantCounter:
 
     def count(
         self, activations: ActivationTracker | None = None, optimizer_state_bytes: int | None = None
-    ) -> dict[str, int]:
+    ) -> dict[Tenant, int]:
         """Bytes of each tenant now; ``optimizer_state_bytes`` skips the walk of the optimizer state."""
         seen = set(self._weight_keys)
         weights = self._weights
@@ -394,7 +293,7 @@ def take_census(
     module: nn.Module,
     optimizers: Sequence[Optimizer] = (),
     activations: ActivationTracker | None = None,
-) -> dict[str, int]:
+) -> dict[Tenant, int]:
     """Bytes of each tenant right now; a storage shared by two tenants counts for the first.
 
     The order of precedence is weights, gradients, optimizer state, activations.

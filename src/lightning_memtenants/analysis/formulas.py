@@ -7,12 +7,16 @@ that every byte of difference gets a sentence that explains it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_memtenants._private import default_foreach, local_tensor, scaler_tensors
+from lightning_memtenants.checks import world_size as check_world_size
+from lightning_memtenants.core.storage import local_optimizer
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class StateSpec:
         inside a float64 default-dtype context makes float64 ``step`` counters), else the default's.
         """
         scalars = sum(_scalar_size((state or {}).get(name)) for name in self.scalars)
-        param = getattr(param, "_local_tensor", param)
+        param = local_tensor(param)
         if self.factored and param.dim() > 1:
             rows, cols = param.shape[-2], param.shape[-1]
             outer = param.numel() // (rows * cols)
@@ -57,39 +61,51 @@ def _rmsprop(group: dict) -> StateSpec:
     return StateSpec(full, ("step",))
 
 
-_SPECS: tuple[tuple[type[Optimizer], object], ...] = (
-    (torch.optim.Adam, _adam),
-    (torch.optim.AdamW, _adam),
-    (torch.optim.SGD, _sgd),
-    (torch.optim.RMSprop, _rmsprop),
-    (torch.optim.Adagrad, lambda group: StateSpec(("sum",), ("step",), lazy=False)),
-    (torch.optim.Adadelta, lambda group: StateSpec(("square_avg", "acc_delta"), ("step",))),
-    (torch.optim.Adamax, lambda group: StateSpec(("exp_avg", "exp_inf"), ("step",))),
-    (torch.optim.NAdam, lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step", "mu_product"))),
-    (torch.optim.RAdam, lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step",))),
-)
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What the package knows of one optimizer class: its state layout and its step's temporaries.
+
+    ``temporaries`` is what one step allocates and frees again, measured on CPU with torch 2.13
+    (``tests/test_optimizers.py``): a multiple of the largest parameter for the single-tensor loop,
+    and of all parameters for ``foreach``; ``fused`` kernels allocate nothing the size of a parameter.
+    ``adam_like`` marks the optimizers whose two moments SGD without momentum would save.
+    """
+
+    spec: Callable[[dict], StateSpec]
+    temporaries: tuple[int, int]
+    adam_like: bool = False
+
+
+OPTIMIZERS: dict[type[Optimizer], OptimizerKind] = {
+    torch.optim.Adam: OptimizerKind(_adam, (2, 1), adam_like=True),
+    torch.optim.AdamW: OptimizerKind(_adam, (2, 1), adam_like=True),
+    torch.optim.SGD: OptimizerKind(_sgd, (0, 0)),
+    torch.optim.RMSprop: OptimizerKind(_rmsprop, (1, 1)),
+    torch.optim.Adagrad: OptimizerKind(lambda group: StateSpec(("sum",), ("step",), lazy=False), (1, 2)),
+    torch.optim.Adadelta: OptimizerKind(lambda group: StateSpec(("square_avg", "acc_delta"), ("step",)), (2, 2)),
+    torch.optim.Adamax: OptimizerKind(lambda group: StateSpec(("exp_avg", "exp_inf"), ("step",)), (1, 1), True),
+    torch.optim.NAdam: OptimizerKind(
+        lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step", "mu_product")), (2, 1), adam_like=True
+    ),
+    torch.optim.RAdam: OptimizerKind(lambda group: StateSpec(("exp_avg", "exp_avg_sq"), ("step",)), (2, 1), True),
+}
 if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
     # Adafactor keeps a row and a column factor (shape[-1] = 1, shape[-2] = 1) for every parameter of two or
     # more dimensions and a full-size ``variance`` for the others: its state is not proportional to P.
-    _SPECS += ((torch.optim.Adafactor, lambda group: StateSpec(("variance",), ("step",), factored=True)),)
+    OPTIMIZERS[torch.optim.Adafactor] = OptimizerKind(
+        lambda group: StateSpec(("variance",), ("step",), factored=True), (1, 1)
+    )
 
 
-def local_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The optimizer that holds state on this rank: ZeroRedundancyOptimizer's local ``optim``, else itself.
-
-    ZeroRedundancyOptimizer keeps its ``state`` empty and its ``param_groups`` global; the state of
-    this rank's shard lives in the wrapped optimizer, whose groups hold only this rank's parameters.
-    """
-    inner = getattr(optimizer, "optim", None)
-    return inner if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
+def optimizer_kind(optimizer: Optimizer) -> OptimizerKind | None:
+    """What is known of this optimizer's class (a ZeroRedundancyOptimizer's local one), or None."""
+    return OPTIMIZERS.get(type(local_optimizer(optimizer)))
 
 
 def state_spec(optimizer: Optimizer, group: dict) -> StateSpec | None:
     """The state layout of a known optimizer class, or None for one we do not know."""
-    for cls, spec in _SPECS:
-        if type(optimizer) is cls:
-            return spec(group)  # type: ignore[operator]
-    return None
+    kind = OPTIMIZERS.get(type(optimizer))
+    return None if kind is None else kind.spec(group)
 
 
 def scalar_bytes() -> int:
@@ -103,7 +119,7 @@ def _scalar_size(value: object) -> int:
 
 def _nbytes(tensor: Tensor) -> int:
     """numel x element size of this rank's part: a DTensor's (FSDP2's) local shard."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
+    tensor = local_tensor(tensor)
     return tensor.numel() * tensor.element_size()
 
 
@@ -234,24 +250,6 @@ def _optimizer_params_outside(module: nn.Module, optimizers: Sequence[Optimizer]
     return any(id(p) not in inside for opt in optimizers for g in opt.param_groups for p in g["params"])
 
 
-# What one optimizer step allocates and frees again, measured on CPU with torch 2.13 (tests/test_optimizers.py):
-# (multiple of the largest parameter for the single-tensor loop, multiple of all parameters for foreach).
-# ``fused`` kernels update in place and allocate nothing the size of a parameter.
-_TEMPORARIES: dict[str, tuple[int, int]] = {
-    "Adam": (2, 1),
-    "AdamW": (2, 1),
-    "NAdam": (2, 1),
-    "RAdam": (2, 1),
-    "Adamax": (1, 1),
-    "Adadelta": (2, 2),
-    "Adagrad": (1, 2),
-    "RMSprop": (1, 1),
-    "Adafactor": (1, 1),
-    "SGD": (0, 0),
-}
-IMPLEMENTATIONS: tuple[str, ...] = ("single-tensor", "foreach", "fused")
-
-
 def optimizer_implementation(optimizer: Optimizer) -> str:
     """Which implementation ``step()`` runs: ``single-tensor``, ``foreach`` or ``fused``.
 
@@ -267,25 +265,19 @@ def optimizer_implementation(optimizer: Optimizer) -> str:
     if "foreach" not in group or group.get("foreach") is False or group.get("differentiable"):
         return "single-tensor"
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    try:
-        from torch.optim.optimizer import _default_to_fused_or_foreach
-
-        _, foreach = _default_to_fused_or_foreach(params, False, use_fused=False)
-    except Exception:  # a private helper: if it moves, fall back to its documented rule
-        foreach = all(p.device.type == "cuda" for p in params)
-    return "foreach" if foreach else "single-tensor"
+    return "foreach" if default_foreach(params) else "single-tensor"
 
 
 def step_temporaries_bytes(optimizer: Optimizer) -> int:
     """The optimizer step's temporaries for the implementation that runs; 0 for an optimizer we do not know."""
-    name = type(local_optimizer(optimizer)).__name__
+    kind = optimizer_kind(optimizer)
     implementation = optimizer_implementation(optimizer)
-    if name not in _TEMPORARIES or implementation == "fused":
+    if kind is None or implementation == "fused":
         return 0
     sizes = [_nbytes(p) for g in local_optimizer(optimizer).param_groups for p in g["params"] if p.requires_grad]
     if not sizes:
         return 0
-    single, foreach = _TEMPORARIES[name]
+    single, foreach = kind.temporaries
     return foreach * sum(sizes) if implementation == "foreach" else single * max(sizes)
 
 
@@ -295,20 +287,12 @@ def grad_scaler_bytes(scaler: object) -> int:
     The per-optimizer ``found_inf`` flags exist from ``unscale_`` until ``update()``; an fp16 scaler thus
     holds 4 + 4 bytes between steps and 4 more per optimizer while it steps.
     """
-    total = 0
-    for name in ("_scale", "_growth_tracker"):
-        value = getattr(scaler, name, None)
-        if isinstance(value, Tensor):
-            total += _nbytes(value)
-    for state in getattr(scaler, "_per_optimizer_states", {}).values():
-        total += sum(_nbytes(t) for t in state.get("found_inf_per_device", {}).values())
-    return total
+    return sum(_nbytes(t) for t in scaler_tensors(scaler))
 
 
 def sharded_state_bytes(total_bytes: int, world_size: int) -> int:
     """The even share of ``total_bytes`` on one of ``world_size`` ranks (ZeRO, FSDP): ceil(total / N)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_world_size(world_size)
     return -(-total_bytes // world_size)
 
 
@@ -319,8 +303,7 @@ def zero_partition(param_groups: Sequence[Sequence[Tensor]], world_size: int) ->
     (the first such rank on ties); sizes carry over from group to group. Tensors are not split,
     so a rank's share is near P/N only when no tensor dominates.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_world_size(world_size)
     sizes = [0] * world_size
     ranks: list[list[Tensor]] = [[] for _ in range(world_size)]
     for group in param_groups:
@@ -388,8 +371,7 @@ def deepspeed_zero_bytes(stage: int, params: int, world_size: int, *, largest_la
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_world_size(world_size)
     if stage == 0:
         return 16 * params
     if stage == 1:
@@ -405,6 +387,7 @@ def deepspeed_estimator_bytes(stage: int, params: int, world_size: int, *, large
     Stage 2: 4P + 16P/N; stage 3: 4 x largest layer + 18P/N. Its constants are rounder than the
     paper's (it counts fp32 gradients and a full-precision gathered layer), so it sits above ours.
     """
+    check_world_size(world_size)
     if stage == 2:
         return 4 * params + int(16 * params / world_size)
     if stage == 3:

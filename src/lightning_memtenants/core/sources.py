@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants.core.tracker import LiveTensorTracker
 
 
 @dataclass(frozen=True)
@@ -295,3 +295,12 @@ def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> Memor
     if device.type == "mps":
         return MpsSource()
     return AcceleratorSource(device, reset_peaks=reset_peaks)
+
+
+def device_budget_bytes(device: torch.device) -> int | None:
+    """The device's capacity, reduced by ``set_per_process_memory_fraction`` on CUDA; None elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    total = int(torch.cuda.mem_get_info(device)[1])
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    return int(total * fraction)

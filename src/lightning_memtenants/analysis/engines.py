@@ -6,13 +6,15 @@ the precision string the user typed: the dtypes come from the tensors, the bucke
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_memtenants.formulas import fsdp_gathered_bytes, grad_scaler_bytes
+from lightning_memtenants._private import ddp_bucket_sizes
+from lightning_memtenants.analysis.formulas import fsdp_gathered_bytes, grad_scaler_bytes
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,7 +64,7 @@ def precision_notes(plugin: Any, module: nn.Module, device_type: str) -> list[st
 
 def sharding_notes(module: nn.Module, world_size: int) -> list[str]:
     """The FSDP sentence, where parameters are DTensors (FSDP2 through ModelParallelStrategy, or FSDP on GPU)."""
-    if not any(hasattr(p, "_local_tensor") for p in module.parameters()):
+    if not any(is_dtensor(p) for p in module.parameters()):
         return []
     gathered = fsdp_gathered_bytes(module)
     return [
@@ -88,9 +90,12 @@ def _autocast_cache_enabled(plugin: Any) -> bool | None:
             context = make()
         except Exception:  # building the context needs a device this process lacks: we cannot tell
             return None
-        enabled = getattr(context, "_cache_enabled", None)
-        if enabled is not None:
-            return bool(enabled)
+        try:
+            with warnings.catch_warnings(), context:  # autocast for a device this process lacks warns
+                warnings.simplefilter("ignore")
+                return torch.is_autocast_cache_enabled()
+        except Exception:  # entering it needs what this process lacks: we cannot tell
+            return None
     return None
 
 
@@ -106,8 +111,7 @@ def ddp_bucket_bytes(model: Any) -> int | None:
     """Bytes of DDP's gradient buckets, from DDP's own logging data; None if ``model`` is not DDP."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
-    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
-    return sum(int(size) for size in sizes.split(",") if size.strip())
+    return sum(ddp_bucket_sizes(model))
 
 
 def ddp_notes_and_part(model: Any, measure: Callable[[], bool]) -> tuple[list[str], Callable[[], int] | None]:
@@ -137,3 +141,12 @@ def ddp_notes_and_part(model: Any, measure: Callable[[], bool]) -> tuple[list[st
         "DDP: gradient buckets are a second copy of the gradients (gradient_as_bucket_view=False), reported as"
         " the ddp_buckets part; gradient_as_bucket_view=True would save them"
     ], read
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel): its bytes on this rank are its local shard."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memtenants.tracker import LiveTensorTracker
+from lightning_memtenants._private import TorchDispatchMode
+from lightning_memtenants.core.tracker import LiveTensorTracker
 
 BLOCK_BYTES = 512
 # Compute capability of the GPUs people rent, by the names they rent them under.

@@ -7,7 +7,7 @@ figure, an RGB array, markdown), so a hand-written loop can log them with its ow
 
 from __future__ import annotations
 
-import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,12 +16,14 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from lightning_memtenants.census import TENANTS
-from lightning_memtenants.report import PHASES, MiB, StepReport
+from lightning_memtenants.core.guard import Guard
+from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.names import PHASES, TENANTS
+from lightning_memtenants.render.postmortem import postmortem_markdown
+from lightning_memtenants.render.table import summary_markdown
+from lightning_memtenants.render.tags import DESK, POSTMORTEM, SUMMARY, custom_scalars_layout, tag
+from lightning_memtenants.units import MiB
 
-TAG_DESK = "memtenants/desk"
-TAG_SUMMARY = "memtenants/summary"
-TAG_POSTMORTEM = "memtenants/postmortem"
 DESK_PNG = "memtenants_desk.png"
 SUMMARY_MD = "memtenants_summary.md"
 
@@ -34,29 +36,6 @@ _COLORS = {
     "other": "#8c8c8c",
     "fragmentation": "#d9d9d9",
 }
-
-
-def custom_scalars_layout() -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout, in ``SummaryWriter.add_custom_scalars`` form: one category, one chart per question.
-
-    Every entry is a logged tag (TensorBoard reads them as regular expressions matched from the start).
-    """
-    phase_tags = [f"memtenants/allocated/{phase}_MiB" for phase in PHASES]
-    window_tags = [f"memtenants/window_peak/{phase}_MiB" for phase in PHASES]
-    return {
-        "memtenants": {
-            "tenants (MiB)": ["Multiline", [f"memtenants/{name}_MiB" for name in (*TENANTS, "other")]],
-            "peak vs sum of tenants (MiB)": ["Multiline", ["memtenants/peak_MiB", "memtenants/tenant_sum_MiB"]],
-            "fixed cost: expected vs measured (MiB)": [
-                "Multiline",
-                ["memtenants/fixed_expected_MiB", "memtenants/fixed_measured_MiB"],
-            ],
-            "headroom (MiB)": ["Multiline", ["memtenants/headroom_MiB"]],
-            "max batch size (samples)": ["Multiline", ["memtenants/max_batch_size"]],
-            "allocated per phase (MiB)": ["Multiline", phase_tags],
-            "window peak per phase (MiB)": ["Multiline", window_tags],
-        }
-    }
 
 
 def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
@@ -126,81 +105,13 @@ def figure_rgb(figure: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def _cell(value: int | None) -> str:
-    return "-" if value is None else f"{value / MiB:,.2f}"
-
-
-def summary_markdown(report: StepReport, budget_bytes: int | None = None) -> str:
-    """A markdown table of the tenants at each phase (MiB), the peak and the fixed-cost check, with the explanations."""
-    columns = (*TENANTS, "other", "allocated", "window peak")
-    lines = [
-        f"### memtenants: optimizer step {report.step}",
-        "",
-        f"Memory source: {report.memory_source}. Sizes in MiB (2^20 bytes).",
-        "",
-        "| phase | " + " | ".join(f"`{c}`" if c in TENANTS else c for c in columns) + " |",
-        "|---" + "|---:" * len(columns) + "|",
-    ]
-    for name in PHASES:
-        phase = report.phases.get(name)
-        if phase is None:
-            continue
-        cells = [phase.tenants_bytes[t] for t in TENANTS] + [
-            phase.other_bytes,
-            phase.allocated_bytes,
-            phase.window_peak_bytes,
-        ]
-        lines.append(f"| `{name}` | " + " | ".join(_cell(c) for c in cells) + " |")
-    high = [report.tenants_bytes[t] for t in TENANTS] + [report.other_bytes, None, report.peak_bytes]
-    lines.append("| **high-water mark** | " + " | ".join(_cell(c) for c in high) + " |")
-    largest = max(TENANTS, key=lambda t: report.tenants_bytes[t])
-    lines += [
-        "",
-        f"- peak **{_cell(report.peak_bytes)} MiB**; sum of tenants {_cell(report.tenant_sum_bytes)} MiB;"
-        f" largest tenant `{largest}` {_cell(report.tenants_bytes[largest])} MiB",
-        f"- {report.peak_explanation}",
-        f"- fixed cost (weights + gradients + optimizer state): expected {report.expected_fixed_bytes:,} bytes"
-        f" ({_cell(report.expected_fixed_bytes)} MiB), measured {report.measured_fixed_bytes:,} bytes"
-        f" ({_cell(report.measured_fixed_bytes)} MiB)",
-    ]
-    if report.fixed_deviation_bytes == 0:
-        lines.append("- the measured fixed cost matches the formula to the byte")
-    lines += [f"- {note}" for note in report.fixed_cost_notes]
-    if budget_bytes is not None:
-        headroom = "" if report.peak_bytes is None else f"; headroom {_cell(budget_bytes - report.peak_bytes)} MiB"
-        lines.append(f"- budget {_cell(budget_bytes)} MiB{headroom}")
-    return "\n".join(lines)
-
-
-def postmortem_markdown(record: dict[str, Any]) -> str:
-    """The OOM postmortem (the record written to ``memtenants_oom.json``) as markdown: tenants, then the fixes."""
-    before = record.get("tenants_at_last_completed_phase_bytes") or {}
-    now = record.get("tenants_at_failure_bytes") or {}
-    lines = [
-        f"### memtenants OOM postmortem: step {record.get('step')}",
-        "",
-        f"`{record.get('error')}`",
-        "",
-        f"Failed in {record.get('phase_description')} (`{record.get('phase')}`),"
-        f" after `{record.get('last_completed_phase')}`.",
-        "",
-        "| tenant (MiB) | last phase | at failure |",
-        "|---|---:|---:|",
-    ]
-    lines += [f"| `{t}` | {_cell(before.get(t))} | {_cell(now.get(t))} |" for t in TENANTS]
-    lines.append(f"| `other` | - | {_cell(record.get('other_at_failure_bytes'))} |")
-    lines += ["", f"Fattest tenant: `{record.get('fattest_tenant')}`.", "", "Fixes, most bytes saved first:", ""]
-    fixes = record.get("fixes") or []
-    lines += [f"{i}. {fix['action']}: saves {_cell(fix['saves_bytes'])} MiB" for i, fix in enumerate(fixes, 1)]
-    return "\n".join(lines)
-
-
 class TensorBoardPanels:
     """Writes the layout, the desk picture and the summary to a run's TensorBoard writers.
 
-    ``writers`` are ``SummaryWriter``-like (``add_custom_scalars``, ``add_image``, ``add_text``);
-    ``log_dirs`` receive the PNG and the markdown at the end. ``guard(part, fn, *args)`` runs
-    each part so that a failure disables that part only (the monitor's ``guard``).
+    ``writers`` are ``SummaryWriter``-like objects (``add_custom_scalars``, ``add_image``,
+    ``add_text``, ``flush``); ``log_dirs`` receive the PNG and the markdown at the end. Each
+    panel runs under this object's own guard, so a failing picture disables that picture
+    only, never a measurement.
     """
 
     def __init__(
@@ -209,39 +120,45 @@ class TensorBoardPanels:
         log_dirs: Sequence[str | Path] = (),
         *,
         desk_every_n_logs: int = 10,
-        guard: Callable[..., Any] | None = None,
+        separator: str = "/",
+        warn: Callable[[str], Any] = warnings.warn,
     ) -> None:
         self.writers = list(writers)
         self.log_dirs = [Path(d) for d in log_dirs]
         self.desk_every_n_logs = desk_every_n_logs
-        self._guard = guard or (lambda part, fn, *args: fn(*args))
+        self.separator = separator
+        self.guard = Guard(warn, "drawing")
         self._logs = 0
         self._drawn: int | None = None  # the report step of the last picture, not to draw it twice
         self._last_log: tuple[int, int] | None = None  # (report step, logger step) of the last logged report
 
     def write_layout(self) -> None:
         """Write the custom-scalars layout (once per run)."""
-        self._guard("tensorboard layout", self._each, "add_custom_scalars", custom_scalars_layout())
+        self.guard.run(
+            "the tensorboard layout", self._each, "add_custom_scalars", custom_scalars_layout(self.separator)
+        )
 
     def on_log(self, report: StepReport, step: int, budget_bytes: int | None = None) -> None:
         """On a logging step: the desk picture every ``desk_every_n_logs``-th logging step, the first included."""
         every, self._logs = self.desk_every_n_logs, self._logs + 1
         self._last_log = (report.step, step)
         if every and (self._logs - 1) % every == 0:
-            self._guard("desk picture", self._desk, report, step, budget_bytes, False)
+            self.guard.run("the desk picture", self._desk, report, step, budget_bytes, False)
 
     def on_fit_end(
         self, reports: Sequence[StepReport], step: int, budget_bytes: int | None = None, desk: StepReport | None = None
     ) -> None:
         """At the end of fit: the summary of ``reports`` as text, and the desk of ``desk`` as image and PNG."""
         if desk is not None:
-            self._guard("desk picture", self._desk, desk, self._logger_step(desk, step), budget_bytes, True)
+            self.guard.run("the desk picture", self._desk, desk, self._logger_step(desk, step), budget_bytes, True)
         if reports:
-            self._guard("text summary", self._summary, reports, self._logger_step(reports[-1], step), budget_bytes)
+            self.guard.run(
+                "the text summary", self._summary, reports, self._logger_step(reports[-1], step), budget_bytes
+            )
 
-    def on_postmortem(self, record_path: str | Path, step: int, latest: StepReport | None = None) -> None:
-        """After an OOM: the postmortem (``memtenants_oom.json``) and the last completed step's table as text."""
-        self._guard("text summary", self._postmortem, Path(record_path), step, latest)
+    def on_postmortem(self, record: dict[str, Any], step: int, latest: StepReport | None = None) -> None:
+        """After an OOM: the postmortem record and the last completed step's table, as text."""
+        self.guard.run("the text summary", self._postmortem, record, step, latest)
 
     def _logger_step(self, report: StepReport, default: int) -> int:
         """The step this report's scalars were logged at, so that its picture and table line up with them."""
@@ -251,11 +168,14 @@ class TensorBoardPanels:
         for writer in self.writers:
             getattr(writer, method)(*args, **kwargs)
 
+    def _tag(self, name: str) -> str:
+        return tag(name, separator=self.separator)
+
     def _desk(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
         figure = desk_figure(report, budget_bytes)
         if report.step != self._drawn:
             self._drawn = report.step
-            self._each("add_image", TAG_DESK, figure_rgb(figure), step, dataformats="HWC")
+            self._each("add_image", self._tag(DESK), figure_rgb(figure), step, dataformats="HWC")
         if save:
             for directory in self.log_dirs:
                 directory.mkdir(parents=True, exist_ok=True)
@@ -263,15 +183,15 @@ class TensorBoardPanels:
 
     def _summary(self, reports: Sequence[StepReport], step: int, budget_bytes: int | None) -> None:
         text = "\n\n".join(summary_markdown(report, budget_bytes) for report in reports)
-        self._each("add_text", TAG_SUMMARY, text, step)
+        self._each("add_text", self._tag(SUMMARY), text, step)
         self._each("flush")
         for directory in self.log_dirs:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / SUMMARY_MD).write_text(text + "\n")
 
-    def _postmortem(self, record_path: Path, step: int, latest: StepReport | None) -> None:
-        text = postmortem_markdown(json.loads(record_path.read_text()))
+    def _postmortem(self, record: dict[str, Any], step: int, latest: StepReport | None) -> None:
+        text = postmortem_markdown(record)
         if latest is not None:
             text += "\n\nThe last completed step:\n\n" + summary_markdown(latest)
-        self._each("add_text", TAG_POSTMORTEM, text, step)
+        self._each("add_text", self._tag(POSTMORTEM), text, step)
         self._each("flush")

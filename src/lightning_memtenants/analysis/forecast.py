@@ -12,100 +12,11 @@ sizes it is the secant through the two largest sizes.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
-from lightning_memtenants.census import batch_tensors
-from lightning_memtenants.report import StepReport
-
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
-    """Bytes from an int or a human string such as ``"24GiB"``, ``"512 MiB"`` or ``"1.5GB"``.
-
-    Strings and floats are read exactly (``"1.5GB"`` is 1,500,000,000), and a big int stays an int.
-
-    Args:
-        value: a number of bytes, or a number with a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB).
-        name: the argument's name, for the error message.
-
-    Returns:
-        The whole number of bytes, at least 1.
-
-    Raises:
-        ValueError: if ``value`` is not a positive number of at least 1 byte, or names an unknown unit.
-    """
-    expected = f"{name} must be a positive number of bytes (at least 1) or a string like '24GiB', got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(expected)
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or (unit and unit not in _UNITS):
-            units = ", ".join(sorted({u.upper().replace("I", "i") for u in _UNITS}))
-            raise ValueError(f"{name} must be a number with an optional unit ({units}), got {value!r}")
-        number = Fraction(match.group(1)) * _UNITS[unit or "b"]
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(expected)
-        number = Fraction(value)
-    else:
-        number = Fraction(value)
-    if number < 1:
-        raise ValueError(expected)
-    return int(number)
-
-
-def brief(value: Any) -> str:
-    """``repr(value)`` on one line and cut short, for an error message, whatever the object (a numpy array's
-    repr spans many lines; a user's object may fail to print itself)."""
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    text = " ".join(text.split())
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def positive_int(value: Any, name: str, limit: int = 2**53) -> int:
-    """``value`` as a batch size: an int from 1 to ``limit`` (not a bool, a float or a string).
-
-    Raises:
-        ValueError: naming ``name`` and what it accepts.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise ValueError(f"{name} must be a positive integer up to {limit:,}, got {value!r}")
-    return value
-
-
-def positive_number(value: Any, name: str) -> float:
-    """``value`` as a finite number above 0 (an int or a float, not a bool).
-
-    Raises:
-        ValueError: naming ``name`` and what it accepts.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number above 0, got {value!r}")
-    return float(value)
-
-
-def batch_elements(batch: Any) -> tuple[int, int]:
-    """Elements and bytes of the tensors in ``batch``: the forecast's measure of its size."""
-    tensors = batch_tensors(batch)
-    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+from lightning_memtenants.checks import positive_int, positive_number
+from lightning_memtenants.core.record import StepReport
 
 
 def _slope_hints(report: StepReport, batch_bytes: int) -> dict[str, float]:
@@ -153,14 +64,13 @@ class PeakForecast:
     Example::
 
         forecast = PeakForecast()
-        forecast.observe(report, batch)  # after each measured step
+        forecast.observe(report, elements, batch_bytes, samples)  # after each measured step
         forecast.predict_peak_bytes(256)
         forecast.max_batch_size(24 * 2**30)
     """
 
     def __init__(self) -> None:
         self._lines: dict[str, _Line] = {}
-        self.samples_seen = 0
         self.elements_per_sample = 0.0
         self.largest_elements = 0
 
@@ -177,7 +87,6 @@ class PeakForecast:
         """Add one measured step; the latest step at a given size replaces earlier ones."""
         if report.peak_bytes is None or elements <= 0:
             return
-        self.samples_seen = max(self.samples_seen, samples)
         self.elements_per_sample = max(self.elements_per_sample, elements / max(samples, 1))
         self.largest_elements = max(self.largest_elements, elements)
         hints = _slope_hints(report, batch_bytes)
@@ -217,12 +126,6 @@ class PeakForecast:
             return None
         return int(max(a + s * elements for a, s in (line.fit() for line in lines)))
 
-    def growth_bytes_per_sample(self) -> float | None:
-        """How much the peak grows for one more sample, at the longest sample seen so far."""
-        if not self._lines:
-            return None
-        return self.predict_peak_bytes(2) - self.predict_peak_bytes(1)  # type: ignore[operator]
-
     def max_batch_size(self, budget_bytes: int, elements_per_sample: float | None = None) -> int | None:
         """The largest batch whose predicted peak fits ``budget_bytes``.
 
@@ -255,7 +158,6 @@ class PeakForecast:
     def state_dict(self) -> dict[str, Any]:
         return {
             "lines": {name: {"points": dict(line.points), "hint": line.hint} for name, line in self._lines.items()},
-            "samples_seen": self.samples_seen,
             "elements_per_sample": self.elements_per_sample,
             "largest_elements": self.largest_elements,
         }
@@ -271,16 +173,10 @@ class PeakForecast:
                 str(name): _Line({int(k): int(v) for k, v in line["points"].items()}, float(line["hint"]))
                 for name, line in state.get("lines", {}).items()
             }
-            samples = int(state.get("samples_seen", 0))
             per_sample = float(state.get("elements_per_sample", 0.0))
             largest = int(state.get("largest_elements", 0))
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(
                 f"the forecast's state must be a dict saved by PeakForecast.state_dict(), got {state!r:.80} ({error})"
             ) from None
-        self._lines, self.samples_seen, self.elements_per_sample, self.largest_elements = (
-            lines,
-            samples,
-            per_sample,
-            largest,
-        )
+        self._lines, self.elements_per_sample, self.largest_elements = lines, per_sample, largest

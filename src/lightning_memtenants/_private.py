@@ -1,0 +1,198 @@
+"""Every private torch API this package uses, in one place, each with the reason no public one serves.
+
+Nothing else in the package imports a private torch name, so a torch release that moves one breaks
+this file alone; each reader here degrades to "not measured" or a conservative answer where it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Fake tensors (recognised so that they are never counted as memory; a mode for dry runs), the dispatch-mode base
+# class (its documented home), and pytree's leaves (what an operator returned): torch has no public path to these.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "SAVED_PREFIX",
+    "FakeTensor",
+    "FakeTensorMode",
+    "SavedTensor",
+    "ShapeEnv",
+    "TorchDispatchMode",
+    "cast_source",
+    "ddp_bucket_sizes",
+    "default_foreach",
+    "dump_snapshot",
+    "inner_tensors",
+    "is_traceable_wrapper_subclass",
+    "local_tensor",
+    "mode_stack",
+    "record_history",
+    "scaler_tensors",
+    "tree_leaves",
+]
+
+# A node's saved tensors are its ``_raw_saved_*`` attributes: ``SavedTensor`` objects whose ``data`` reads what is
+# stored without unpacking it (the public ``_saved_*`` attributes unpack, running the user's hooks).
+SAVED_PREFIX = "_raw_saved_"
+SavedTensor = torch._C._autograd.SavedTensor
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor, else the tensor itself.
+
+    ``DTensor.to_local()`` is an autograd operator, dispatched through every mode on the stack (the user's
+    included); the census must show the user's modes no operator, so it reads the attribute the shard is kept in.
+    """
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def inner_tensors(tensor: Tensor) -> Iterator[Tensor]:
+    """The tensors a traceable wrapper subclass holds (``__tensor_flatten__``: no public reader exists)."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, Tensor):
+                yield from inner_tensors(inner)
+    else:
+        yield tensor
+
+
+def cast_source(tensor: Tensor) -> Any:
+    """The leaf a tensor was cast from by ``_to_copy`` (autocast's weight copies), or None.
+
+    Reads the view's ``_base`` and the autograd node: the only record of where a cast came from.
+    """
+    base = tensor._base if tensor._is_view() else tensor
+    fn = base.grad_fn if base is not None else None
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return None
+    return getattr(fn.next_functions[0][0], "variable", None)
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``Module.compile()`` compiled this module in place (its compiled call is in ``_compiled_call_impl``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def default_foreach(params: list[Tensor]) -> bool:
+    """torch's own choice of ``foreach`` for an optimizer left to choose; its documented rule where the helper moved."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        return bool(_default_to_fused_or_foreach(params, False, use_fused=False)[1])
+    except Exception:  # a private helper: if it moves, fall back to its documented rule (foreach on CUDA)
+        return all(p.device.type == "cuda" for p in params)
+
+
+def scaler_tensors(scaler: Any) -> Iterator[Tensor]:
+    """The tensors a ``GradScaler`` holds: scale, growth tracker and the per-optimizer found-inf flags.
+
+    ``GradScaler`` has no public reader of its state tensors other than ``state_dict``, which copies them to floats.
+    """
+    for name in ("_scale", "_growth_tracker"):
+        value = getattr(scaler, name, None)
+        if isinstance(value, Tensor):
+            yield value
+    for state in getattr(scaler, "_per_optimizer_states", {}).values():
+        yield from state.get("found_inf_per_device", {}).values()
+
+
+def ddp_bucket_sizes(model: Any) -> list[int]:
+    """Bytes of each of DDP's gradient buckets, from DDP's own logging data (no public reader of bucket sizes)."""
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return [int(size) for size in sizes.split(",") if size.strip()]
+
+
+def record_history(on: bool) -> None:
+    """Start or stop the CUDA allocator's history, as the documented memory_viz recipe does."""
+    if on:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    else:
+        torch.cuda.memory._record_memory_history(None)
+
+
+def dump_snapshot(path: str) -> None:
+    """Write the allocator's history for pytorch.org/memory_viz (the documented recipe's call)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+class mode_stack:
+    """The dispatch-mode stack, for leaving our mode from under a user's mode (``__exit__`` pops the top).
+
+    torch offers no public way to remove a mode that is not on top, nor to fix the "a mode is active" flags
+    the modes above it saved; both are needed so that measuring leaves the user's modes as they were.
+    """
+
+    FLAG_DEQUES = (
+        "old_dispatch_mode_flags",
+        "old_non_infra_dispatch_mode_flags",
+        "old_without_ignore_compile_internals_dispatch_mode_flags",
+    )
+
+    @staticmethod
+    def top() -> Any:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        return _get_current_dispatch_mode()
+
+    @staticmethod
+    def pop() -> Any:
+        from torch.utils._python_dispatch import _pop_mode
+
+        return _pop_mode()
+
+    @staticmethod
+    def push(mode: Any) -> None:
+        from torch.utils._python_dispatch import _push_mode
+
+        _push_mode(mode)
+
+    @staticmethod
+    def set_flags(active: bool, non_infra: bool, without_ignore: bool) -> None:
+        import torch.utils._python_dispatch as dispatch
+
+        dispatch._is_in_torch_dispatch_mode = active
+        dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
+        dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
+        dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    """The optimizer steps Lightning has taken, the step its own logging uses (``_batches_that_stepped``).
+
+    ``trainer.global_step`` counts every optimizer's steps and is not what ``self.log`` lands on.
+    """
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+
+
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Lightning's stand-in for "no optimizer" (``_MockOptimizer``), which never steps."""
+    return type(optimizer).__name__ == "_MockOptimizer"
+
+
+def lightning_optimizers(module: Any) -> list[Any]:
+    """The optimizers of a LightningModule's ``configure_optimizers``, in any of the shapes it may return.
+
+    Lightning's own reader of those shapes (``_configure_optimizers``) is private; writing another would differ.
+    """
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
+    return list(optimizers)
+
+
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether Lightning compiled this LightningModule (``_compiler_ctx``, its record of ``torch.compile``)."""
+    return getattr(module, "_compiler_ctx", None) is not None

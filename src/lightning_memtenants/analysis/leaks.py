@@ -1,0 +1,85 @@
+"""Leak detection: steady growth of allocated bytes at batch start, across steps."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from lightning_memtenants.core.record import PhaseReport
+from lightning_memtenants.units import MiB
+
+
+class LeakDetector:
+    """Flags steady growth of allocated bytes at ``batch_start`` across steps.
+
+    Growth counts as a leak when, over the last ``window`` observations, the fitted slope is
+    above ``min_bytes_per_step``, memory grew at most steps, and the rise is large next to
+    the scatter around the line. Healthy training settles after its first steps (Adam's
+    state appears once), so the first two observations are not used.
+    """
+
+    def __init__(self, window: int = 8, min_bytes_per_step: int = 64 * 1024) -> None:
+        self.window = window
+        self.min_bytes_per_step = min_bytes_per_step
+        self._seen = 0
+        self._points: deque[tuple[int, int, dict[str, int]]] = deque(maxlen=window)
+
+    def observe(self, step: int, phase: PhaseReport) -> str | None:
+        """Add ``batch_start`` of one step; return a warning once growth looks like a leak."""
+        self._seen += 1
+        if self._seen <= 2:
+            return None
+        total = phase.allocated_bytes if phase.allocated_bytes is not None else phase.total_bytes
+        parts = dict(phase.tenants_bytes)
+        if phase.other_bytes is not None:
+            parts["other"] = phase.other_bytes
+        self._points.append((step, total, parts))
+        if len(self._points) < self.window:
+            return None
+        steps = [p[0] for p in self._points]
+        slope, scatter = _slope(steps, [p[1] for p in self._points])
+        rises = sum(b[1] > a[1] for a, b in zip(self._points, list(self._points)[1:], strict=False))
+        if slope < self.min_bytes_per_step or rises < 0.75 * (self.window - 1):
+            return None
+        if slope * (steps[-1] - steps[0]) < 3 * scatter:
+            return None
+        slopes = {name: _slope(steps, [p[2].get(name, 0) for p in self._points])[0] for name in parts}
+        tenant = max(slopes, key=lambda name: slopes[name])
+        return (
+            f"memtenants: memory grows by {slope / MiB:.2f} MiB per step at batch start"
+            f" (steps {steps[0]}-{steps[-1]}), mostly in {tenant}. A common cause is keeping a loss or an"
+            " output with its graph across steps (e.g. appending `loss` to a list); keep `loss.detach()`"
+            " or `loss.item()` instead."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self._seen, "points": [list(p) for p in self._points]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved.
+
+        Raises:
+            ValueError: if ``state`` is not such a dict; nothing is changed then.
+        """
+        try:
+            seen = int(state.get("seen", 0))
+            points = deque(
+                ((int(s), int(t), {str(k): int(v) for k, v in dict(p).items()}) for s, t, p in state.get("points", [])),
+                maxlen=self.window,
+            )
+        except (AttributeError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"the leak detector's state must be a dict saved by LeakDetector.state_dict(), got {state!r:.80}"
+                f" ({error})"
+            ) from None
+        self._seen, self._points = seen, points
+
+
+def _slope(xs: list[int], ys: list[int]) -> tuple[float, float]:
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs) or 1.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    residuals = [y - (mean_y + slope * (x - mean_x)) for x, y in zip(xs, ys, strict=True)]
+    scatter = (sum(r * r for r in residuals) / n) ** 0.5
+    return slope, scatter

@@ -1,0 +1,214 @@
+"""The record: what was measured at each phase of a step, as numbers, and its one serialisation.
+
+The core fills the numbers; the analysis (``analysis/explain.py``) fills the sentence fields
+(``peak_explanation``, ``notes``, ``fixed_cost_notes``) and the formula's ``expected_fixed_bytes``;
+the renderers print both. Nothing here knows a feature or writes a sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from lightning_memtenants.names import FIXED_TENANTS, TENANTS, Part, Phase, Tenant
+
+
+@dataclass(frozen=True)
+class GraphCounts:
+    """What the graph walks of one step found beside the tenants, as counts.
+
+    Attributes:
+        checkpointed_regions: activation-checkpointed regions in the largest graph read.
+        hooked: saved tensors that the user's ``saved_tensors_hooks`` packed.
+        opaque: of those, the ones packed into objects that hold no tensor (not countable).
+        offloaded_bytes: bytes the user's hooks moved to another device (``save_on_cpu``).
+        compiled: whether ``torch.compile``'d code made part of the graph.
+    """
+
+    checkpointed_regions: int = 0
+    hooked: int = 0
+    opaque: int = 0
+    offloaded_bytes: int = 0
+    compiled: bool = False
+
+
+@dataclass(frozen=True)
+class PhaseReport:
+    """The tenants at one phase boundary, and what the memory source saw there.
+
+    ``window_peak_bytes`` is the peak of the window that ends at this boundary (``names.WINDOWS``).
+    """
+
+    name: Phase
+    tenants_bytes: dict[Tenant, int]
+    allocated_bytes: int | None = None
+    window_peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    parts_bytes: dict[Part, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """The four tenants together."""
+        return sum(self.tenants_bytes.values())
+
+    @property
+    def other_bytes(self) -> int | None:
+        """Allocated minus the four tenants and the named parts: the batch, temporaries; so the desk adds up."""
+        if self.allocated_bytes is None:
+            return None
+        return self.allocated_bytes - self.total_bytes - sum(self.parts_bytes.values())
+
+    @property
+    def fragmentation_bytes(self) -> int | None:
+        """Reserved by the allocator but not allocated (CUDA and accelerators only)."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return self.reserved_bytes - self.allocated_bytes
+
+    def unmeasured(self) -> PhaseReport:
+        """The same tenants with the memory source's figures dropped (readings that cannot be trusted)."""
+        return replace(self, allocated_bytes=None, window_peak_bytes=None, reserved_bytes=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field and the computed ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``, as JSON types."""
+        out: dict[str, Any] = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        out.update(total_bytes=self.total_bytes, other_bytes=self.other_bytes)
+        out["fragmentation_bytes"] = self.fragmentation_bytes
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PhaseReport:
+        """The report ``to_dict`` wrote (the computed fields are recomputed, not read)."""
+        return cls(
+            name=data["name"],
+            tenants_bytes={t: int(data["tenants_bytes"][t]) for t in TENANTS},
+            allocated_bytes=_int_or_none(data.get("allocated_bytes")),
+            window_peak_bytes=_int_or_none(data.get("window_peak_bytes")),
+            reserved_bytes=_int_or_none(data.get("reserved_bytes")),
+            parts_bytes={k: int(v) for k, v in (data.get("parts_bytes") or {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step: the tenants at each phase, their high-water marks, the fixed cost, the peak.
+
+    ``phases`` holds the last occurrence of each phase in the step; ``micro_batches`` keeps
+    every micro-batch's phases when gradients are accumulated. ``expected_fixed_bytes`` is the
+    formula's figure, ``None`` where the check did not run (never 0 for "unknown").
+    """
+
+    step: int
+    phases: dict[Phase, PhaseReport]
+    micro_batches: list[dict[Phase, PhaseReport]]
+    tenants_bytes: dict[Tenant, int]
+    expected_fixed_bytes: int | None
+    measured_fixed_bytes: int
+    fixed_cost_notes: list[str] = field(default_factory=list)
+    peak_bytes: int | None = None
+    peak_phase: Phase | None = None
+    peak_explanation: str = "peak not measured"
+    memory_source: str = "not measured"
+    notes: list[str] = field(default_factory=list)
+    graph: GraphCounts = field(default_factory=GraphCounts)
+
+    @property
+    def parts_bytes(self) -> dict[Part, int]:
+        """High-water mark of each named part outside the tenants (``names.PARTS``) over the step."""
+        out: dict[Part, int] = {}
+        for phase in (p for mb in self.micro_batches for p in mb.values()):
+            for name, value in phase.parts_bytes.items():
+                out[name] = max(out.get(name, 0), value)
+        return out
+
+    @property
+    def fixed_deviation_bytes(self) -> int | None:
+        """Measured minus expected fixed cost; None where the formula did not run."""
+        return None if self.expected_fixed_bytes is None else self.measured_fixed_bytes - self.expected_fixed_bytes
+
+    @property
+    def tenant_sum_bytes(self) -> int:
+        """The sum of the four tenants' high-water marks: an upper bound only if nothing else lives."""
+        return sum(self.tenants_bytes.values())
+
+    @property
+    def peak_minus_sum_bytes(self) -> int | None:
+        """The true peak minus the tenant sum: below 0 when tenants never coexist at their highs."""
+        return None if self.peak_bytes is None else self.peak_bytes - self.tenant_sum_bytes
+
+    @property
+    def other_bytes(self) -> int | None:
+        """High-water mark of ``other`` over the phases where it was measured."""
+        values = [p.other_bytes for mb in self.micro_batches for p in mb.values() if p.other_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def largest_tenant(self) -> Tenant:
+        """The tenant with the highest high-water mark (the first of them on a tie)."""
+        return max(TENANTS, key=lambda t: self.tenants_bytes[t])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field and the computed ones (``parts_bytes``, ``tenant_sum_bytes``, ``peak_minus_sum_bytes``,
+        ``other_bytes``, ``fixed_deviation_bytes``; per phase ``other_bytes`` and ``fragmentation_bytes``),
+        as JSON types: what the CLI's JSON, the postmortem and the rank gather carry."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "phases":
+                value = {name: phase.to_dict() for name, phase in value.items()}
+            elif f.name == "micro_batches":
+                value = [{name: phase.to_dict() for name, phase in mb.items()} for mb in value]
+            elif f.name == "graph":
+                value = {g.name: getattr(value, g.name) for g in fields(value)}
+            out[f.name] = _plain(value)
+        out["parts_bytes"] = dict(self.parts_bytes)
+        out["tenant_sum_bytes"] = self.tenant_sum_bytes
+        out["peak_minus_sum_bytes"] = self.peak_minus_sum_bytes
+        out["other_bytes"] = self.other_bytes
+        out["fixed_deviation_bytes"] = self.fixed_deviation_bytes
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepReport:
+        """The report ``to_dict`` wrote.
+
+        Raises:
+            ValueError: if ``data`` is not such a dict.
+        """
+        try:
+            micro = [{name: PhaseReport.from_dict(p) for name, p in mb.items()} for mb in data["micro_batches"]]
+            phases = {name: PhaseReport.from_dict(p) for name, p in data["phases"].items()}
+            return cls(
+                step=int(data["step"]),
+                phases=phases,
+                micro_batches=micro,
+                tenants_bytes={t: int(data["tenants_bytes"][t]) for t in TENANTS},
+                expected_fixed_bytes=_int_or_none(data.get("expected_fixed_bytes")),
+                measured_fixed_bytes=int(data["measured_fixed_bytes"]),
+                fixed_cost_notes=[str(n) for n in data.get("fixed_cost_notes", [])],
+                peak_bytes=_int_or_none(data.get("peak_bytes")),
+                peak_phase=data.get("peak_phase"),
+                peak_explanation=str(data.get("peak_explanation", "peak not measured")),
+                memory_source=str(data.get("memory_source", "not measured")),
+                notes=[str(n) for n in data.get("notes", [])],
+                graph=GraphCounts(**(data.get("graph") or {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"data must be a dict written by StepReport.to_dict(): {error!r}") from None
+
+
+def fixed_bytes(tenants: dict[Tenant, int]) -> int:
+    """Weights, gradients and optimizer state together: the fixed cost."""
+    return sum(tenants[t] for t in FIXED_TENANTS)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,127 @@
+"""Storages and the tensors behind a value: the one walker every count in the package goes through.
+
+A storage is counted once, keyed by the identity of its Python object, which PyTorch keeps one of
+per live storage; ``data_ptr()`` would be 0 for every fake tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_memtenants._private import local_tensor
+
+__all__ = [
+    "batch_elements",
+    "batch_tensors",
+    "local_optimizer",
+    "local_tensor",
+    "optimizer_state_tensors",
+    "storage_key",
+    "storages_of",
+    "tensors_in",
+    "unique_storage_bytes",
+]
+
+_SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+PLAIN = (Tensor, nn.Parameter)
+
+
+def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:
+    """The storages behind a tensor: its own, or a sparse tensor's indices and values.
+
+    Another layout raises ``ValueError``: a measurement that cannot count a tensor says so (and is
+    disabled with a warning) rather than leaving it out.
+    """
+    if tensor.layout is torch.strided:
+        return (tensor.untyped_storage(),)
+    parts = _SPARSE_PARTS.get(tensor.layout)
+    if parts is None:
+        raise ValueError(f"cannot count the storage of a tensor with layout {tensor.layout}")
+    return tuple(getattr(tensor, name)().untyped_storage() for name in parts)
+
+
+def storage_key(tensor: Tensor) -> int:
+    """Identity of the storage behind ``tensor``, valid for as long as the storage lives."""
+    return id(tensor.untyped_storage())
+
+
+def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``."""
+    total = 0
+    add = seen.add
+    for tensor in tensors:
+        if type(tensor) not in PLAIN:
+            tensor = local_tensor(tensor)
+        for storage in storages_of(tensor):
+            key = id(storage)
+            if key not in seen:
+                add(key)
+                total += storage.nbytes()
+    return total
+
+
+def tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[Tensor]:
+    """The tensors inside ``value``: mappings, lists, tuples and dataclasses, read without rebuilding them."""
+    if isinstance(value, Tensor):
+        yield value
+        return
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:  # a collection that contains itself
+        return
+    seen.add(id(value))
+    for item in items:
+        yield from tensors_in(item, seen)
+
+
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses); other objects hold none."""
+    return list(tensors_in(batch))
+
+
+def batch_elements(batch: Any) -> tuple[int, int]:
+    """Elements and bytes of the tensors in ``batch``: the forecast's measure of its size."""
+    tensors = batch_tensors(batch)
+    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def local_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds state on this rank: ZeroRedundancyOptimizer's local ``optim``, else itself.
+
+    ZeroRedundancyOptimizer keeps its ``state`` empty and its ``param_groups`` global; the state of
+    this rank's shard lives in the wrapped optimizer, whose groups hold only this rank's parameters.
+    """
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
+
+
+def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
+    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included."""
+    for optimizer in map(local_optimizer, optimizers):
+        for state in optimizer.state.values():
+            for value in state.values() if isinstance(state, dict) else (state,):
+                if isinstance(value, Tensor):
+                    yield value
+                else:
+                    yield from tensors_in(value)

@@ -1,0 +1,500 @@
+"""MemoryTenantsCallback: the Lightning hooks, wired to the monitor and to one small part per concern."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_memtenants._private import is_mock_optimizer
+from lightning_memtenants.analysis.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
+from lightning_memtenants.analysis.forecast import PeakForecast
+from lightning_memtenants.analysis.leaks import LeakDetector
+from lightning_memtenants.checks import brief, describe_error, flag, positive_int, positive_number
+from lightning_memtenants.core.guard import Guard
+from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.core.sources import MemorySource, TrackerSource, device_budget_bytes, source_for
+from lightning_memtenants.lightning.alerts import Alerts
+from lightning_memtenants.lightning.logs import Logs
+from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memory
+from lightning_memtenants.lightning.ranks import gather_or_warn
+from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.names import Phase
+from lightning_memtenants.render.table import format_table
+from lightning_memtenants.units import parse_bytes
+
+SOURCES = ("auto", "tracker", "none")
+# Under manual optimization a step that no optimizer ends is closed after this many batches.
+MANUAL_ACCUMULATION_BOUND = 64
+
+
+class MemoryTenantsCallback(Callback):
+    r"""Tell what is using training memory: weights, gradients, optimizer state and activations.
+
+    At every phase of every training batch (``batch_start``, ``before_backward``,
+    ``after_backward``, ``before_optimizer_step``, ``batch_end``) the callback counts each
+    tenant's bytes from the tensors themselves and checks the fixed cost against the formula
+    for the optimizer and dtypes in use. A memory source adds allocated bytes and the peak of
+    each phase window, so the step's true peak can be set against the sum of its tenants.
+    Scalars go to the trainer's loggers on the steps Lightning logs (and the first), under
+    ``memtenants`` and the logger's separator; a table is printed at the end of fit.
+
+    Args:
+        track_activations: count what autograd saves for backward, read from the loss's graph
+            at ``before_backward`` (no hook is installed).
+        memory_source: ``"auto"`` uses the allocator's counters on CUDA and other accelerators
+            (every step) and the live-tensor tracker on CPU (logged steps only); ``"tracker"``
+            forces the tracker; ``"none"`` measures tenants only. A :class:`MemorySource` is
+            used as given.
+        track_every_step: run a costly source (the tracker) on every step, not only on
+            logged steps.
+        log_every_n_steps: log every this many optimizer steps; ``None`` follows the
+            trainer's ``log_every_n_steps``.
+        print_summary: print the table of the first and last steps at the end of fit.
+        budget_bytes: the memory the step may use, in bytes or a string like ``"24GiB"``.
+            ``None`` uses the CUDA device's total (reduced by ``set_per_process_memory_fraction``);
+            on CPU there is no budget unless given, and no headroom warnings.
+        margin: the fraction of the budget kept free for allocator rounding; warnings fire
+            when a prediction passes ``budget x (1 - margin)``.
+        strict: raise :class:`MemoryBudgetError` instead of warning when the first optimizer
+            step is predicted not to fit.
+        postmortem_dir: where an OOM postmortem is written; ``None`` uses the logger's
+            directory, else the working directory.
+        record_history: on CUDA, record the allocator's history and dump a snapshot for
+            pytorch.org/memory_viz next to the postmortem.
+        desk_every_n_logs: with a TensorBoardLogger, log the desk picture on every this-many-th
+            logging step (the first included); ``0``: only at the end of fit.
+        reset_peak_stats: on CUDA and other accelerators, reset the allocator's peak counter at
+            every phase boundary, which gives exact window peaks but also resets what the rest of
+            the process reads from ``max_memory_allocated()``; the run's highest reading stays in
+            ``run_peak_bytes``. ``False`` leaves the counter alone, and a window's peak is then
+            measured only where it set a new high.
+
+    Raises:
+        ValueError: if an argument has the wrong type or value.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_memtenants import MemoryTenantsCallback
+        >>> memtenants = MemoryTenantsCallback()
+        >>> trainer = Trainer(callbacks=[memtenants])
+
+    After ``trainer.fit(model)``, ``memtenants.latest.tenants_bytes`` holds the high-water mark
+    of each tenant during the last optimizer step.
+    """
+
+    def __init__(
+        self,
+        *,
+        track_activations: bool = True,
+        memory_source: str | MemorySource = "auto",
+        track_every_step: bool = False,
+        log_every_n_steps: int | None = None,
+        print_summary: bool = True,
+        budget_bytes: int | str | None = None,
+        margin: float = 0.05,
+        strict: bool = False,
+        postmortem_dir: str | os.PathLike[str] | None = None,
+        record_history: bool = False,
+        desk_every_n_logs: int = 10,
+        reset_peak_stats: bool = True,
+    ) -> None:
+        self.track_activations = flag(track_activations, "track_activations")
+        self.track_every_step = flag(track_every_step, "track_every_step")
+        self.print_summary = flag(print_summary, "print_summary")
+        self.strict = flag(strict, "strict")
+        self.record_history = flag(record_history, "record_history")
+        self.reset_peak_stats = flag(reset_peak_stats, "reset_peak_stats")
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(f"log_every_n_steps must be None or a positive int, got {brief(log_every_n_steps)}")
+        if not isinstance(memory_source, MemorySource) and not (
+            isinstance(memory_source, str) and memory_source in SOURCES
+        ):
+            raise ValueError(f"memory_source must be one of {SOURCES} or a MemorySource, got {brief(memory_source)}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {brief(margin)}")
+        if isinstance(desk_every_n_logs, bool) or not isinstance(desk_every_n_logs, int) or desk_every_n_logs < 0:
+            raise ValueError(
+                f"desk_every_n_logs must be an int >= 0 (0: only at the end), got {brief(desk_every_n_logs)}"
+            )
+        if postmortem_dir is not None and (
+            not isinstance(postmortem_dir, (str, os.PathLike)) or not os.fspath(postmortem_dir)
+        ):
+            raise ValueError(f"postmortem_dir must be None or a non-empty path, got {brief(postmortem_dir)}")
+        self.memory_source = memory_source
+        self.log_every_n_steps = log_every_n_steps
+        self.budget_bytes = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        self.margin = float(margin)
+        self.postmortem_dir = postmortem_dir
+        self.desk_every_n_logs = desk_every_n_logs
+        self.latest: StepReport | None = None
+        self.latest_measured: StepReport | None = None
+        self.first: StepReport | None = None
+        self._alerts = Alerts(None, margin=self.margin, strict=strict, warn=rank_zero_warn)
+        self._logs = Logs(
+            log_every_n_steps, desk_every_n_logs=desk_every_n_logs, info=rank_zero_info, warn=rank_zero_warn
+        )
+        self._postmortem = Postmortem(postmortem_dir, record_history=record_history, warn=rank_zero_warn)
+        self._monitor: TenantMonitor | None = None
+        self._source: MemorySource | None = None  # kept past fit for run_peak_bytes; it holds no tensor
+        self._step_hooks: list[Any] = []
+        self._step_bound = 1
+        self._stepped = False
+        self._open_batch = False
+        self._logging_step = False
+        self._step = 0
+        self._last_step: int | None = None
+        self._rank, self._world_size = 0, 1
+        self._ranks: list[list[float]] = []
+
+    # -- the public surface ----------------------------------------------------------------------
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """One key per configuration, as Lightning's own callbacks build it, so two differently set up
+        instances can share a Trainer and its checkpoints."""
+        source = self.memory_source if isinstance(self.memory_source, str) else type(self.memory_source).__name__
+        return self._generate_state_key(
+            memory_source=source,
+            track_activations=self.track_activations,
+            track_every_step=self.track_every_step,
+            log_every_n_steps=self.log_every_n_steps,
+            budget_bytes=self.budget_bytes,
+            margin=self.margin,
+            strict=self.strict,
+        )
+
+    @property
+    def forecast(self) -> PeakForecast:
+        """The peak forecast fitted to the measured steps."""
+        return self._alerts.forecast
+
+    @property
+    def leaks(self) -> LeakDetector:
+        """The leak detector watching allocated bytes at batch start."""
+        return self._alerts.leaks
+
+    @property
+    def budget(self) -> int | None:
+        """The budget in bytes this run checks against (before the margin), or None."""
+        return None if self._alerts.budget is None else self._alerts.budget.total_bytes
+
+    @property
+    def postmortem_path(self) -> Path | None:
+        """The JSON postmortem written after an OOM in the last fit, or None."""
+        return self._postmortem.path
+
+    @property
+    def run_peak_bytes(self) -> int | None:
+        """The highest allocated bytes the memory source saw in the last fit, or None.
+
+        On CUDA it includes what ``max_memory_allocated()`` held when the callback first reset it, so it
+        stands in for the counter a script reads at the end.
+        """
+        return None if self._source is None else self._source.run_peak_bytes
+
+    def predict_peak_bytes(self, batch_size: int) -> int | None:
+        """The predicted step peak for ``batch_size`` samples, from the steps measured so far.
+
+        Args:
+            batch_size: samples in the batch, a positive integer.
+
+        Returns:
+            The predicted peak in bytes, or ``None`` before a step was measured.
+
+        Raises:
+            ValueError: if ``batch_size`` is not a positive integer.
+        """
+        return self.forecast.predict_peak_bytes(positive_int(batch_size, "batch_size"))
+
+    def max_batch_size(
+        self, budget_bytes: int | str | None = None, *, elements_per_sample: float | None = None
+    ) -> int | None:
+        """The largest batch whose predicted peak fits the budget (after the margin).
+
+        Args:
+            budget_bytes: bytes or a string like ``"80GiB"``; ``None`` uses the run's budget.
+            elements_per_sample: input elements per sample (e.g. the longest sequence in the
+                dataset); ``None`` sizes samples as the longest seen so far.
+
+        Returns:
+            The batch size, or ``None`` without a budget or before a step was measured.
+
+        Raises:
+            ValueError: if an argument is not a positive number.
+        """
+        budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        if elements_per_sample is not None:
+            elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
+        return self._alerts.max_batch_size(budget, elements_per_sample)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the forecast and the leak baseline that ``state_dict`` saved (a resumed fit).
+
+        Raises:
+            ValueError: if ``state_dict`` is not a dict saved by ``state_dict()``; nothing changes then.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(
+                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {brief(state_dict)}"
+            )
+        forecast, leaks = PeakForecast(), LeakDetector()
+        for name, part in (("forecast", forecast), ("leaks", leaks)):
+            value = state_dict.get(name, {})
+            if not isinstance(value, dict):
+                raise ValueError(f"state_dict[{name!r}] must be a dict, got {brief(value)}")
+            part.load_state_dict(value)
+        self._alerts.forecast, self._alerts.leaks = forecast, leaks
+
+    # -- the hooks -----------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
+            # which Lightning calls after setup
+            self._alerts = Alerts(None, margin=self.margin, strict=self.strict, warn=rank_zero_warn)
+            self._postmortem.path = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(release=True)
+        self.latest = self.latest_measured = self.first = None
+        self._open_batch, self._last_step, self._step, self._ranks = False, None, 0, []
+        self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
+        # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
+        # path (the postmortem) must never call a collective while another rank waits in backward
+        self._postmortem.log_dir = None
+        if self.postmortem_dir is None:
+            try:
+                self._postmortem.log_dir = trainer.log_dir
+            except Exception as error:  # a logger of the user's whose directory cannot be read: the working one
+                rank_zero_warn(f"memtenants: the logger's directory cannot be read ({describe_error(error)})")
+        optimizers: list[Optimizer] = list(trainer.optimizers)
+        self._monitor = TenantMonitor(
+            pl_module,
+            optimizers,
+            track_activations=self.track_activations,
+            source=self._make_source(pl_module),
+            device=pl_module.device,
+            warn=rank_zero_warn,
+        )
+        self._source = self._monitor.source
+        Guard(rank_zero_warn, "describing").run("precision and strategy", self._describe_engines, trainer, pl_module)
+        # An optimizer step ends a step: Lightning's hook sees its own steps, a post hook on each optimizer also
+        # sees a raw ``.step()`` (``self.optimizers(use_pl_optimizer=False)``). Without one, a step ends after the
+        # accumulation Lightning was asked for, or under manual optimization after every batch where it knows
+        # no optimizer, else after at most MANUAL_ACCUMULATION_BOUND batches.
+        real = [o for o in optimizers if not is_mock_optimizer(o)]
+        self._step_hooks = [o.register_step_post_hook(self._optimizer_stepped) for o in real]
+        if pl_module.automatic_optimization:
+            self._step_bound = max(int(trainer.accumulate_grad_batches or 1), 1)
+        else:
+            self._step_bound = MANUAL_ACCUMULATION_BOUND if real else 1
+        self._alerts.set_budget(self.budget_bytes or device_budget_bytes(pl_module.device))
+        self._postmortem.start(pl_module.device)
+        self._logs.open(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        if self._open_batch:  # the last batch never ended: Lightning skipped it (on_train_batch_start gave -1)
+            monitor.skip_step()
+        self._open_batch = True
+        if monitor.pending_micro_batches == 0:
+            self._stepped = False
+            self._step = self._step_number(trainer)
+            self._logging_step = bool(trainer.loggers) and self._logs.logs_next_step(trainer)
+            monitor.measure = self.track_every_step or self._logs.logs_next_step(trainer)
+        self._alerts.batch_start(batch, batch_idx)
+        self._phase("batch_start", batch)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._phase("before_backward", output=loss)
+        if self._monitor is not None:
+            self._alerts.before_backward(self._monitor)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phase("after_backward")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        self._stepped = True
+        self._phase("before_optimizer_step")
+        if self._monitor is not None:
+            self._alerts.before_optimizer_step(self._monitor)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        self._open_batch = False
+        self._phase("batch_end")
+        if not (self._stepped or monitor.pending_micro_batches >= self._step_bound):
+            return
+        report = monitor.end_step(self._step)
+        self._last_step = self._step
+        if trainer.world_size > 1 and self._logging_step:
+            # every rank takes part on the same steps, whatever its own measurement did, so none waits
+            self._ranks = gather_or_warn(trainer.strategy, report, rank_zero_warn)
+        if report is None:
+            return
+        self.latest = report
+        if report.peak_bytes is not None:
+            self.latest_measured = report
+        if self.first is None:
+            self.first = report
+        self._alerts.step_end(report)
+        headroom = self._alerts.headroom_bytes(report)
+        if self._logging_step:
+            largest = self._alerts.max_batch_size()
+            self._logs.log(
+                trainer,
+                report,
+                headroom_bytes=headroom,
+                max_batch_size=largest,
+                ranks=self._ranks,
+                budget_bytes=self.budget,
+            )
+        if headroom is not None:
+            self._logs.show_headroom(pl_module, headroom)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._open_batch and self._monitor is not None:  # the epoch stopped inside a batch: it never ends
+            self._open_batch = False
+            self._monitor.skip_step()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+        latest = self.latest
+        if latest is None:
+            return
+        reports = [latest] if self.first in (None, latest) else [self.first, latest]  # type: ignore[list-item]
+        self._logs.fit_end(trainer, reports, self.latest_measured or latest, self.budget)
+        if self.print_summary:
+            for report in reports:
+                rank_zero_info(format_table(report, self.budget))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Never raises and never talks to other ranks: the user's exception goes on as it is, and a rank that
+        # failed leaves as fast as it would without us while the others wait in a collective.
+        try:
+            monitor = self._monitor
+            if monitor is not None and is_out_of_memory(exception):
+                record = self._postmortem.write(
+                    monitor,
+                    pl_module,
+                    exception,
+                    world_size=self._world_size,
+                    rank=self._rank,
+                    step=self._step,
+                    budget_bytes=self.budget,
+                    last_step=self.latest,
+                )
+                if record is not None:
+                    self._logs.postmortem(trainer, record, self.latest)
+        except Exception as error:  # the postmortem is a courtesy; the user's own exception matters
+            rank_zero_warn(f"memtenants: the postmortem failed ({describe_error(error)})")
+        finally:
+            self._close(release=True)
+            self._unbind()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(release=True)
+        self._unbind()
+
+    # -- wiring ------------------------------------------------------------------------------------
+
+    def _make_source(self, pl_module: pl.LightningModule) -> MemorySource | None:
+        source = self.memory_source
+        if source == "tracker":
+            return TrackerSource(pl_module.device.type)
+        if source == "none":
+            return None
+        if source == "auto":
+            return source_for(pl_module.device, reset_peaks=self.reset_peak_stats)
+        return source  # type: ignore[return-value]
+
+    def _describe_engines(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Sentences and named parts from the precision plugin (GradScaler) and the strategy (DDP buckets)."""
+        monitor = self._monitor
+        assert monitor is not None
+        plugin = trainer.precision_plugin
+        for note in precision_notes(plugin, pl_module, pl_module.device.type):
+            monitor.add_note(note)
+        reader = scaler_part(plugin)
+        if reader is not None:
+            monitor.add_part("grad_scaler", reader)
+        notes, buckets = ddp_notes_and_part(trainer.strategy.model, lambda: monitor.measure)
+        for note in notes + sharding_notes(pl_module, trainer.world_size):
+            monitor.add_note(note)
+        if buckets is not None:
+            monitor.add_part("ddp_buckets", buckets)
+
+    def _phase(self, name: Phase, batch: Any = None, output: Any = None) -> None:
+        if self._monitor is not None:
+            self._monitor.phase(name, batch, output)
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    def _step_number(self, trainer: pl.Trainer) -> int:
+        """The trainer's global step; one past the last report where Lightning counted no step (an optimizer it
+        never sees, under manual optimization)."""
+        step = int(trainer.global_step)
+        if self._last_step is not None and step <= self._last_step:
+            step = self._last_step + 1
+        return step
+
+    def _close(self, release: bool = False) -> None:
+        """Remove our hooks; ``release`` also drops the module and optimizers we point to."""
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
+        monitor = self._monitor
+        if monitor is None:
+            return
+        try:
+            monitor.close()
+        finally:
+            self._postmortem.stop()
+            if release:
+                self._monitor = None
+                self._logs.panels = None
+
+    def _unbind(self) -> None:
+        """Drop ``log`` and ``log_dict``, which Lightning binds from the module onto every callback and pops only
+        in a teardown that does not run after an exception: a finished callback keeps no module alive."""
+        for name in ("log", "log_dict"):
+            self.__dict__.pop(name, None)

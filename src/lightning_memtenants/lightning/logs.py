@@ -1,0 +1,121 @@
+"""Where the reports go in a Lightning run: the loggers on Lightning's own cadence, TensorBoard's panels, the bar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_memtenants._private import batches_that_stepped
+from lightning_memtenants.core.guard import Guard
+from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.render.tags import budget_metrics, metrics, rank_metrics
+from lightning_memtenants.render.tensorboard import TensorBoardPanels
+from lightning_memtenants.units import MiB
+
+
+class Logs:
+    """Logs a step's scalars where Lightning logs the user's own, and draws the panels.
+
+    Lightning logs a training step when ``(batches_that_stepped + 1) % log_every_n_steps == 0``, at
+    the step ``batches_that_stepped``; the same steps are measured and logged here, so that our scalars
+    land beside the user's. The first optimizer step, where Adam's state appears, is always measured
+    and logged as well.
+
+    Args:
+        every_n_steps: log every this many optimizer steps; ``None`` follows the trainer's ``log_every_n_steps``.
+        desk_every_n_logs: with a TensorBoardLogger, draw the desk on every this-many-th logging step.
+        info: how a notice is given (rank zero's).
+        warn: how a failure of ours is reported.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None,
+        *,
+        desk_every_n_logs: int,
+        info: Callable[[str], Any],
+        warn: Callable[[str], Any],
+    ) -> None:
+        self.every_n_steps = every_n_steps
+        self.desk_every_n_logs = desk_every_n_logs
+        self.guard = Guard(warn, "logging")
+        self.panels: TensorBoardPanels | None = None
+        self._info = info
+        self._warn = warn
+
+    def open(self, trainer: pl.Trainer) -> None:
+        """Find the TensorBoard loggers (rank zero draws) and write the custom-scalars layout."""
+        self.panels = None
+        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if trainer.loggers and not boards:
+            names = ", ".join(type(logger).__name__ for logger in trainer.loggers)
+            self._info(
+                f"memtenants: {names} gets the scalars; the layout, desk picture and summary need a TensorBoardLogger"
+            )
+        if not boards or not trainer.is_global_zero:
+            return
+        self.panels = self.guard.run(
+            "the tensorboard panels",
+            lambda: TensorBoardPanels(
+                [logger.experiment for logger in boards],
+                [logger.log_dir for logger in boards],
+                desk_every_n_logs=self.desk_every_n_logs,
+                separator=boards[0].group_separator,
+                warn=self._warn,
+            ),
+        )
+        if self.panels is not None:
+            self.panels.write_layout()
+
+    def logs_next_step(self, trainer: pl.Trainer) -> bool:
+        """Whether Lightning logs the optimizer step about to run (asked at its first ``batch_start``)."""
+        step = batches_that_stepped(trainer)
+        if step == 0:
+            return True
+        every = self.every_n_steps or trainer.log_every_n_steps
+        return every > 0 and ((step + 1) % every == 0 or bool(trainer.should_stop))
+
+    def log(
+        self,
+        trainer: pl.Trainer,
+        report: StepReport,
+        *,
+        headroom_bytes: int | None,
+        max_batch_size: int | None,
+        ranks: list[list[float]],
+        budget_bytes: int | None,
+    ) -> None:
+        """Log ``report``, the budget's and the ranks' figures to every logger (its separator), at Lightning's step."""
+        step = batches_that_stepped(trainer)
+        for logger in trainer.loggers:
+            separator = logger.group_separator
+            values = metrics(report, separator)
+            values.update(budget_metrics(headroom_bytes, max_batch_size, separator))
+            if ranks:
+                values.update(rank_metrics(ranks, separator))
+            self.guard.run(f"to {type(logger).__name__}", logger.log_metrics, dict(sorted(values.items())), step)
+        if self.panels is not None:
+            self.panels.on_log(report, step, budget_bytes)
+
+    def show_headroom(self, pl_module: pl.LightningModule, headroom_bytes: int) -> None:
+        """Put the headroom in the progress bar (not in the loggers: the scalars carry it)."""
+        self.guard.run("the progress bar", _show, pl_module, headroom_bytes)
+
+    def fit_end(
+        self, trainer: pl.Trainer, reports: list[StepReport], desk: StepReport, budget_bytes: int | None
+    ) -> None:
+        """The summary and the desk picture, at the end of fit."""
+        if self.panels is not None:
+            self.panels.on_fit_end(reports, batches_that_stepped(trainer), budget_bytes, desk)
+
+    def postmortem(self, trainer: pl.Trainer, record: dict[str, Any], latest: StepReport | None) -> None:
+        """The postmortem, as text in TensorBoard."""
+        if self.panels is not None:
+            self.panels.on_postmortem(record, batches_that_stepped(trainer), latest)
+
+
+def _show(pl_module: pl.LightningModule, headroom_bytes: int) -> None:
+    pl_module.log("headroom_MiB", headroom_bytes / MiB, prog_bar=True, logger=False, on_step=True, on_epoch=False)

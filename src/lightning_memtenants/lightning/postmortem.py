@@ -1,0 +1,134 @@
+"""After an OOM: the postmortem of the step that failed, and the CUDA allocator's history for memory_viz."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+from torch import nn
+
+from lightning_memtenants._private import dump_snapshot, record_history
+from lightning_memtenants.analysis.fixes import optimizer_step_temporaries_bytes, ranked_fixes
+from lightning_memtenants.core.guard import Guard
+from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.names import PHASES, WINDOW_NAMES
+from lightning_memtenants.render.postmortem import postmortem_record, write_postmortem
+
+
+class Postmortem:
+    """Writes ``memtenants_oom.json`` and ``.txt`` when training runs out of memory; never talks to other ranks.
+
+    Args:
+        directory: where the files go; ``None`` uses ``log_dir`` (read by the caller where every rank could),
+            else the working directory.
+        record_history: on CUDA, keep the allocator's history and dump it next to the postmortem.
+        warn: how a failure of ours is reported.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None, *, record_history: bool, warn: Callable[[str], Any]):
+        self.directory = directory
+        self.record_history = record_history
+        self.guard = Guard(warn, "writing")
+        self.log_dir: str | None = None
+        self.path: Path | None = None
+        self._recording = False
+
+    def start(self, device: torch.device) -> None:
+        """Begin the allocator's history, where asked and on CUDA."""
+        if self.record_history and device.type == "cuda":
+            self._recording = self.guard.run("the allocator history", _record, True) is not None
+
+    def stop(self) -> None:
+        """End the allocator's history, if this object began it."""
+        if self._recording:
+            self._recording = False
+            self.guard.run("the allocator history", _record, False)
+
+    def write(
+        self,
+        monitor: TenantMonitor,
+        module: nn.Module,
+        error: BaseException,
+        *,
+        world_size: int,
+        rank: int,
+        step: int,
+        budget_bytes: int | None,
+        last_step: StepReport | None,
+    ) -> dict[str, Any] | None:
+        """Write the postmortem of ``error`` and return its record; None where writing it failed."""
+        return self.guard.run(
+            "the postmortem", self._write, monitor, module, error, world_size, rank, step, budget_bytes, last_step
+        )
+
+    def _write(
+        self,
+        monitor: TenantMonitor,
+        module: nn.Module,
+        error: BaseException,
+        world_size: int,
+        rank: int,
+        step: int,
+        budget_bytes: int | None,
+        last_step: StepReport | None,
+    ) -> dict[str, Any]:
+        last = monitor.last_phase()
+        failing = PHASES[(PHASES.index(last.name) + 1) % len(PHASES)] if last is not None else "batch_start"
+        if failing == "before_backward":  # inside the forward: its graph so far hangs off the failing frames
+            monitor.observe_failure(error)
+        tenants_now = self.guard.run("the census at failure", monitor.census)
+        tenants = tenants_now or (last.tenants_bytes if last is not None else {})
+        reading = monitor.read_source()
+        other_now = None
+        if reading.allocated_bytes is not None and tenants_now is not None:
+            other_now = reading.allocated_bytes - sum(tenants_now.values())
+        fixes = ranked_fixes(
+            tenants,
+            module,
+            monitor.optimizers,
+            world_size=world_size,
+            temporaries_bytes=optimizer_step_temporaries_bytes(monitor.optimizers) if failing == "batch_end" else 0,
+            batch_temporaries_bytes=(other_now or 0) if failing in ("before_backward", "after_backward") else 0,
+        )
+        record = postmortem_record(
+            error=error,
+            last_phase=last,
+            failing_window=WINDOW_NAMES[failing],
+            tenants_now=tenants_now,
+            other_now=other_now,
+            fixes=fixes,
+            budget_bytes=budget_bytes,
+            step=step,
+            rank=rank,
+            last_step=last_step,
+        )
+        directory = self.directory or self.log_dir or os.getcwd()
+        self.path, _ = write_postmortem(directory, record, world_size)
+        if self._recording:
+            name = "memtenants_oom_snapshot" + (f"_rank{rank}" if world_size > 1 else "") + ".pickle"
+            dump_snapshot(str(Path(directory) / name))
+        warnings.warn(f"memtenants: out of memory; postmortem written to {self.path}", stacklevel=1)
+        return record
+
+
+def _record(on: bool) -> bool:
+    record_history(on)
+    return True
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: ``torch.OutOfMemoryError``, or what Lightning's
+    ``is_oom_error`` recognises (the CPU allocator's "can't allocate memory" included).
+
+    That function assumes ``args[0]`` is a string; this one never raises, whatever the exception holds.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    args = getattr(error, "args", ())
+    return isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], str) and is_oom_error(error)

@@ -1,0 +1,120 @@
+"""The OOM postmortem: one record, written as JSON, and rendered from that record as text and as markdown."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_memtenants.analysis.fixes import Fix
+from lightning_memtenants.checks import describe_error
+from lightning_memtenants.core.record import PhaseReport, StepReport
+from lightning_memtenants.names import TENANTS, WINDOW_NAMES, WINDOWS, Tenant
+from lightning_memtenants.units import mib
+
+
+def postmortem_record(
+    *,
+    error: BaseException,
+    last_phase: PhaseReport | None,
+    failing_window: str | None,
+    tenants_now: dict[Tenant, int] | None,
+    other_now: int | None = None,
+    fixes: Sequence[Fix] = (),
+    budget_bytes: int | None = None,
+    step: int = 0,
+    rank: int = 0,
+    last_step: StepReport | None = None,
+) -> dict[str, Any]:
+    """What the postmortem says, as JSON types: where it failed, the tenants then and before, and the fixes."""
+    tenants: dict[str, int] = dict(tenants_now or (last_phase.tenants_bytes if last_phase else {}))
+    if other_now is not None:
+        tenants["other"] = other_now
+    return {
+        "error": describe_error(error),
+        "rank": rank,
+        "step": step,
+        "phase": failing_window,
+        "phase_description": _describe(failing_window),
+        "last_completed_phase": last_phase.name if last_phase else None,
+        "tenants_at_last_completed_phase_bytes": dict(last_phase.tenants_bytes) if last_phase else None,
+        "allocated_at_last_completed_phase_bytes": last_phase.allocated_bytes if last_phase else None,
+        "other_at_last_completed_phase_bytes": last_phase.other_bytes if last_phase else None,
+        "tenants_at_failure_bytes": dict(tenants_now) if tenants_now is not None else None,
+        "other_at_failure_bytes": other_now,
+        "fattest_tenant": max(tenants, key=lambda t: tenants[t]) if tenants else None,
+        "budget_bytes": budget_bytes,
+        "fixes": [{"action": f.action, "saves_bytes": f.saves_bytes} for f in fixes],
+        "last_step": last_step.to_dict() if last_step is not None else None,
+    }
+
+
+def write_postmortem(
+    directory: str | os.PathLike[str], record: dict[str, Any], world_size: int = 1
+) -> tuple[Path, Path]:
+    """Write ``record`` as ``memtenants_oom.json`` and its text as ``.txt``; return their paths.
+
+    On each rank of a distributed run the files are ``memtenants_oom_rank<r>.*``, so that ranks never
+    write over each other. Nothing here talks to other ranks.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = "memtenants_oom" if world_size <= 1 else f"memtenants_oom_rank{record['rank']}"
+    json_path, text_path = directory / f"{stem}.json", directory / f"{stem}.txt"
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    text_path.write_text(postmortem_text(record, world_size) + "\n")
+    return json_path, text_path
+
+
+def _rows(record: dict[str, Any]) -> list[tuple[str, int | None, int | None]]:
+    before = record.get("tenants_at_last_completed_phase_bytes") or {}
+    now = record.get("tenants_at_failure_bytes") or {}
+    rows = [(t, before.get(t), now.get(t)) for t in TENANTS]
+    rows.append(("other", record.get("other_at_last_completed_phase_bytes"), record.get("other_at_failure_bytes")))
+    return rows
+
+
+def _fix_lines(record: dict[str, Any]) -> list[str]:
+    fixes = record.get("fixes") or []
+    return [f"{i}. {fix['action']}: saves {mib(fix['saves_bytes'])} MiB" for i, fix in enumerate(fixes, 1)]
+
+
+def postmortem_text(record: dict[str, Any], world_size: int = 1) -> str:
+    """The postmortem as plain text: the failure, the tenants before and at it, the fixes."""
+    where = f", rank {record['rank']}" if world_size > 1 else ""
+    lines = [
+        f"memtenants OOM postmortem: step {record['step']}{where}, {record['error']}",
+        f"failed in {record['phase_description']} ({record['phase']}), after {record['last_completed_phase']}",
+        "",
+        f"{'tenant (MiB)':<18}{'last phase':>14}{'at failure':>14}",
+    ]
+    lines += [f"{name:<18}{mib(before):>14}{mib(now):>14}" for name, before, now in _rows(record)]
+    lines += ["", f"fattest tenant: {record['fattest_tenant']}", "fixes, most bytes saved first:"]
+    return "\n".join(lines + [f"  {line}" for line in _fix_lines(record)])
+
+
+def postmortem_markdown(record: dict[str, Any]) -> str:
+    """The same postmortem as :func:`postmortem_text`, in markdown."""
+    lines = [
+        f"### memtenants OOM postmortem: step {record.get('step')}",
+        "",
+        f"`{record.get('error')}`",
+        "",
+        f"Failed in {record.get('phase_description')} (`{record.get('phase')}`),"
+        f" after `{record.get('last_completed_phase')}`.",
+        "",
+        "| tenant (MiB) | last phase | at failure |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| `{name}` | {mib(before)} | {mib(now)} |" for name, before, now in _rows(record)]
+    lines += ["", f"Fattest tenant: `{record.get('fattest_tenant')}`.", "", "Fixes, most bytes saved first:", ""]
+    return "\n".join(lines + _fix_lines(record))
+
+
+def _describe(window: str | None) -> str:
+    for phase, name in WINDOW_NAMES.items():
+        if name == window:
+            return WINDOWS[phase]
+    return "before the first phase"
