@@ -12,12 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Fake tensors (recognised so that they are never counted as memory; a mode for dry runs), the dispatch-mode base
-# class (its documented home), and pytree's leaves (what an operator returned): torch has no public path to these.
+# Fake tensors (recognised so that they are never counted as memory; a mode for dry runs) and the dispatch-mode base
+# class (its documented home): torch has no public path to these.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "SAVED_PREFIX",
@@ -36,7 +35,6 @@ __all__ = [
     "mode_stack",
     "record_history",
     "scaler_tensors",
-    "tree_leaves",
 ]
 
 # A node's saved tensors are its ``_raw_saved_*`` attributes: ``SavedTensor`` objects whose ``data`` reads what is

@@ -30,9 +30,8 @@ from lightning_memtenants._private import (
     inner_tensors,
     is_traceable_wrapper_subclass,
     mode_stack,
-    tree_leaves,
 )
-from lightning_memtenants.core.storage import storages_of
+from lightning_memtenants.core.storage import storages_of, tensors_in
 
 
 def _storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
@@ -168,7 +167,7 @@ class _Mode(TorchDispatchMode):
                 for tensor in out:
                     tracker.add(tensor)
             else:
-                tracker.register(leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+                tracker.register(tensors_in(out))
         except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
             tracker.error = error
             return out

@@ -63,7 +63,7 @@ class Logs:
                 [logger.experiment for logger in boards],
                 [logger.log_dir for logger in boards],
                 desk_every_n_logs=self.desk_every_n_logs,
-                separator=boards[0].group_separator,
+                separator=getattr(boards[0], "group_separator", "/"),
                 warn=self._warn,
             ),
         )
@@ -91,7 +91,7 @@ class Logs:
         """Log ``report``, the budget's and the ranks' figures to every logger (its separator), at Lightning's step."""
         step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
-            separator = logger.group_separator
+            separator = getattr(logger, "group_separator", "/")  # a logger without one joins with "/"
             values = metrics(report, separator)
             values.update(budget_metrics(headroom_bytes, max_batch_size, separator))
             if ranks:
