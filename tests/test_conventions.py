@@ -124,3 +124,31 @@ def test_the_lightning_wiring_never_reaches_into_the_monitor() -> None:
                 if owner in ("monitor", "self._monitor"):
                     reached.append(f"{path.name}: {ast.unparse(node)}")
     assert reached == []
+
+
+def test_the_sources_and_detectors_refuse_or_survive_what_they_cannot_measure() -> None:
+    from lightning_memtenants import CudaSource, LeakDetector, MemorySource, MpsSource, source_for
+
+    if not torch.cuda.is_available():
+        source = CudaSource()  # no current device to ask on a CPU-only torch: it measures nothing, never raises
+        assert source.device == torch.device("cuda") and source.read().allocated_bytes is None
+    if not torch.backends.mps.is_available():
+        assert type(source_for("mps")) is MemorySource and not isinstance(source_for("mps"), MpsSource)
+    for window in (0, 2, 2.5, True):
+        with pytest.raises(ValueError, match="window must be an int of 3 or more"):
+            LeakDetector(window=window)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_bytes_per_step must be an int of 0 or more"):
+        LeakDetector(min_bytes_per_step=-1)
+
+
+def test_a_meta_tracker_counts_meta_parameters_like_meta_tensors() -> None:
+    from lightning_memtenants import LiveTensorTracker
+
+    tracker = LiveTensorTracker("meta", scan=False)
+    plain = torch.empty(1000, device="meta")
+    param = nn.Parameter(torch.empty(500, device="meta"))
+    tracker.start([plain, param])
+    try:
+        assert tracker.current_bytes == 4000 + 2000
+    finally:
+        tracker.stop()

@@ -25,12 +25,17 @@ __all__ = [
     "SavedTensor",
     "ShapeEnv",
     "TorchDispatchMode",
+    "batches_that_stepped",
     "cast_source",
+    "compiled_by_lightning",
+    "compiled_in_place",
     "ddp_bucket_sizes",
     "default_foreach",
     "dump_snapshot",
     "inner_tensors",
+    "is_mock_optimizer",
     "is_traceable_wrapper_subclass",
+    "lightning_optimizers",
     "local_tensor",
     "mode_stack",
     "record_history",
@@ -48,12 +53,25 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
     ``DTensor.to_local()`` is an autograd operator, dispatched through every mode on the stack (the user's
     included); the census must show the user's modes no operator, so it reads the attribute the shard is kept in.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        The local shard, or ``tensor`` where it has none.
     """
     return getattr(tensor, "_local_tensor", tensor)
 
 
 def inner_tensors(tensor: Tensor) -> Iterator[Tensor]:
-    """The tensors a traceable wrapper subclass holds (``__tensor_flatten__``: no public reader exists)."""
+    """The tensors a traceable wrapper subclass holds (``__tensor_flatten__``: no public reader exists).
+
+    Args:
+        tensor: any tensor; wrappers nested in wrappers are opened too.
+
+    Yields:
+        The plain tensors inside, or ``tensor`` itself where it is not a wrapper subclass.
+    """
     if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         for attr in attrs:
@@ -68,6 +86,12 @@ def cast_source(tensor: Tensor) -> Any:
     """The leaf a tensor was cast from by ``_to_copy`` (autocast's weight copies), or None.
 
     Reads the view's ``_base`` and the autograd node: the only record of where a cast came from.
+
+    Args:
+        tensor: a tensor saved for backward.
+
+    Returns:
+        The leaf tensor (a weight) it is a cast copy of, or None where it is not one.
     """
     base = tensor._base if tensor._is_view() else tensor
     fn = base.grad_fn if base is not None else None
@@ -77,12 +101,26 @@ def cast_source(tensor: Tensor) -> Any:
 
 
 def compiled_in_place(module: Any) -> bool:
-    """Whether ``Module.compile()`` compiled this module in place (its compiled call is in ``_compiled_call_impl``)."""
+    """Whether ``Module.compile()`` compiled this module in place (its compiled call is in ``_compiled_call_impl``).
+
+    Args:
+        module: any object; one that is not a module is never compiled.
+
+    Returns:
+        True where the module holds a compiled call.
+    """
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def default_foreach(params: list[Tensor]) -> bool:
-    """torch's own choice of ``foreach`` for an optimizer left to choose; its documented rule where the helper moved."""
+    """torch's own choice of ``foreach`` for an optimizer left to choose; its documented rule where the helper moved.
+
+    Args:
+        params: the optimizer's parameters.
+
+    Returns:
+        True where torch would run the ``foreach`` implementation.
+    """
     try:
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
@@ -95,6 +133,12 @@ def scaler_tensors(scaler: Any) -> Iterator[Tensor]:
     """The tensors a ``GradScaler`` holds: scale, growth tracker and the per-optimizer found-inf flags.
 
     ``GradScaler`` has no public reader of its state tensors other than ``state_dict``, which copies them to floats.
+
+    Args:
+        scaler: a ``torch.amp.GradScaler``.
+
+    Yields:
+        Each state tensor it holds now (the found-inf flags exist only from ``unscale_`` to ``update``).
     """
     for name in ("_scale", "_growth_tracker"):
         value = getattr(scaler, name, None)
@@ -105,13 +149,24 @@ def scaler_tensors(scaler: Any) -> Iterator[Tensor]:
 
 
 def ddp_bucket_sizes(model: Any) -> list[int]:
-    """Bytes of each of DDP's gradient buckets, from DDP's own logging data (no public reader of bucket sizes)."""
+    """Bytes of each of DDP's gradient buckets, from DDP's own logging data (no public reader of bucket sizes).
+
+    Args:
+        model: a ``DistributedDataParallel`` wrapper.
+
+    Returns:
+        The size of each bucket in bytes; empty where DDP has not logged them.
+    """
     sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
     return [int(size) for size in sizes.split(",") if size.strip()]
 
 
 def record_history(on: bool) -> None:
-    """Start or stop the CUDA allocator's history, as the documented memory_viz recipe does."""
+    """Start or stop the CUDA allocator's history, as the documented memory_viz recipe does.
+
+    Args:
+        on: True starts recording (the last 100,000 events), False stops it.
+    """
     if on:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     else:
@@ -119,7 +174,11 @@ def record_history(on: bool) -> None:
 
 
 def dump_snapshot(path: str) -> None:
-    """Write the allocator's history for pytorch.org/memory_viz (the documented recipe's call)."""
+    """Write the allocator's history for pytorch.org/memory_viz (the documented recipe's call).
+
+    Args:
+        path: the pickle file to write.
+    """
     torch.cuda.memory._dump_snapshot(path)
 
 
@@ -138,24 +197,34 @@ class mode_stack:
 
     @staticmethod
     def top() -> Any:
+        """The mode on top of the stack, or None where the stack is empty."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         return _get_current_dispatch_mode()
 
     @staticmethod
     def pop() -> Any:
+        """Take the top mode off the stack (without leaving it) and return it."""
         from torch.utils._python_dispatch import _pop_mode
 
         return _pop_mode()
 
     @staticmethod
     def push(mode: Any) -> None:
+        """Put ``mode`` back on top of the stack (without entering it again)."""
         from torch.utils._python_dispatch import _push_mode
 
         _push_mode(mode)
 
     @staticmethod
     def set_flags(active: bool, non_infra: bool, without_ignore: bool) -> None:
+        """Set torch's "a mode is active" flags, as a mode's ``__exit__`` restores them.
+
+        Args:
+            active: whether any dispatch mode is active.
+            non_infra: whether a mode that is not an infra mode is active.
+            without_ignore: whether a mode that does not ask Dynamo to ignore it is active.
+        """
         import torch.utils._python_dispatch as dispatch
 
         dispatch._is_in_torch_dispatch_mode = active
@@ -171,12 +240,25 @@ def batches_that_stepped(trainer: Any) -> int:
     """The optimizer steps Lightning has taken, the step its own logging uses (``_batches_that_stepped``).
 
     ``trainer.global_step`` counts every optimizer's steps and is not what ``self.log`` lands on.
+
+    Args:
+        trainer: the Lightning ``Trainer``.
+
+    Returns:
+        The step count, ``trainer.global_step`` where the private counter has moved.
     """
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
 def is_mock_optimizer(optimizer: Any) -> bool:
-    """Lightning's stand-in for "no optimizer" (``_MockOptimizer``), which never steps."""
+    """Whether ``optimizer`` is Lightning's stand-in for "no optimizer" (``_MockOptimizer``), which never steps.
+
+    Args:
+        optimizer: an entry of ``trainer.optimizers``.
+
+    Returns:
+        True for the stand-in.
+    """
     return type(optimizer).__name__ == "_MockOptimizer"
 
 
@@ -184,6 +266,12 @@ def lightning_optimizers(module: Any) -> list[Any]:
     """The optimizers of a LightningModule's ``configure_optimizers``, in any of the shapes it may return.
 
     Lightning's own reader of those shapes (``_configure_optimizers``) is private; writing another would differ.
+
+    Args:
+        module: a LightningModule.
+
+    Returns:
+        The optimizers, without their schedulers.
     """
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
@@ -192,5 +280,12 @@ def lightning_optimizers(module: Any) -> list[Any]:
 
 
 def compiled_by_lightning(module: Any) -> bool:
-    """Whether Lightning compiled this LightningModule (``_compiler_ctx``, its record of ``torch.compile``)."""
+    """Whether Lightning compiled this LightningModule (``_compiler_ctx``, its record of ``torch.compile``).
+
+    Args:
+        module: any object; one that Lightning did not compile has no record.
+
+    Returns:
+        True where Lightning holds a record of compiling it.
+    """
     return getattr(module, "_compiler_ctx", None) is not None

@@ -34,7 +34,8 @@ WINDOW_NAMES: dict[Phase, str] = {
     "before_optimizer_step": "gradient_processing",
     "batch_end": "optimizer_step",
 }
-# Named parts of the desk outside the four tenants, each measured, never guessed.
+# Named parts of the desk outside the four tenants, each measured, never guessed; the two marked "(predicted)"
+# exist only in a dry run, where the model of the CUDA allocator gives them.
 PARTS: dict[Part, str] = {
     "autocast_cache": "half copies of weights made by autocast in forward and saved for backward",
     "grad_scaler": "the GradScaler's scale, growth tracker and found-inf flags",

@@ -27,14 +27,15 @@ def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
     Strings and floats are read exactly (``"1.5GB"`` is 1,500,000,000), and a big int stays an int.
 
     Args:
-        value: a number of bytes, or a number with a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB).
+        value: a number of bytes, or a number with a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; any case).
         name: the argument's name, for the error message.
 
     Returns:
-        The whole number of bytes, at least 1.
+        The whole number of bytes (a fraction of a byte is dropped), at least 1.
 
     Raises:
-        ValueError: if ``value`` is not a positive number of at least 1 byte, or names an unknown unit.
+        ValueError: if ``value`` is not a number of at least 1 byte (a bool, an infinite or NaN float, a string
+            that is not a plain decimal number with an optional unit), or names an unknown unit.
     """
     expected = f"{name} must be a positive number of bytes (at least 1) or a string like '24GiB', got {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -58,5 +59,16 @@ def parse_bytes(value: int | float | str, name: str = "budget_bytes") -> int:
 
 
 def mib(value: int | float | None, digits: int = 2, missing: str = "-") -> str:
-    """``value`` bytes in MiB with thousands separators (``"1,024.00"``), or ``missing`` where not measured."""
+    """``value`` bytes in MiB with thousands separators (``"1,024.00"``), or ``missing`` where not measured.
+
+    Every table, tag and message writes MiB through this one function, so they all agree.
+
+    Args:
+        value: a number of bytes, or None where it was not measured.
+        digits: how many decimals to show.
+        missing: what to show for None.
+
+    Returns:
+        The text.
+    """
     return missing if value is None else f"{value / MiB:,.{digits}f}"

@@ -22,12 +22,28 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def param_dtypes(module: nn.Module) -> str:
-    """The parameters' dtypes as read from the tensors, e.g. ``float32`` or ``bfloat16, float32``."""
+    """The parameters' dtypes as read from the tensors, e.g. ``float32`` or ``bfloat16, float32``.
+
+    Args:
+        module: the model.
+
+    Returns:
+        The distinct dtypes, sorted and joined by commas; ``"none"`` for a module without parameters.
+    """
     return ", ".join(sorted({_dtype_name(p.dtype) for p in module.parameters()})) or "none"
 
 
 def precision_notes(plugin: Any, module: nn.Module, device_type: str) -> list[str]:
-    """Sentences on what the precision plugin does to the fixed cost and the activations."""
+    """Sentences on what the precision plugin does to the fixed cost and the activations.
+
+    Args:
+        plugin: Lightning's precision plugin (``trainer.precision_plugin``).
+        module: the model, whose parameters' dtypes are read.
+        device_type: the device trained on (on CPU, 16-mixed runs as bf16-mixed).
+
+    Returns:
+        The sentences; none for 32-true without a GradScaler.
+    """
     precision = str(getattr(plugin, "precision", ""))
     dtypes = param_dtypes(module)
     notes: list[str] = []
@@ -63,7 +79,15 @@ def precision_notes(plugin: Any, module: nn.Module, device_type: str) -> list[st
 
 
 def sharding_notes(module: nn.Module, world_size: int) -> list[str]:
-    """The FSDP sentence, where parameters are DTensors (FSDP2 through ModelParallelStrategy, or FSDP on GPU)."""
+    """The FSDP sentence, where parameters are DTensors (FSDP2 through ModelParallelStrategy, or FSDP on GPU).
+
+    Args:
+        module: the model.
+        world_size: the number of ranks the parameters are sharded over.
+
+    Returns:
+        One sentence, or none where no parameter is a DTensor.
+    """
     if not any(is_dtensor(p) for p in module.parameters()):
         return []
     gathered = fsdp_gathered_bytes(module)
@@ -100,7 +124,14 @@ def _autocast_cache_enabled(plugin: Any) -> bool | None:
 
 
 def scaler_part(plugin: Any) -> Callable[[], int] | None:
-    """A reader of the GradScaler's bytes (the ``grad_scaler`` part), or None where the plugin has none."""
+    """A reader of the GradScaler's bytes (the ``grad_scaler`` part), or None where the plugin has none.
+
+    Args:
+        plugin: Lightning's precision plugin.
+
+    Returns:
+        A function that returns the scaler's bytes now, or None.
+    """
     scaler = getattr(plugin, "scaler", None)
     if scaler is None:
         return None
@@ -108,7 +139,14 @@ def scaler_part(plugin: Any) -> Callable[[], int] | None:
 
 
 def ddp_bucket_bytes(model: Any) -> int | None:
-    """Bytes of DDP's gradient buckets, from DDP's own logging data; None if ``model`` is not DDP."""
+    """Bytes of DDP's gradient buckets, from DDP's own logging data; None if ``model`` is not DDP.
+
+    Args:
+        model: the strategy's model (``trainer.strategy.model``).
+
+    Returns:
+        The buckets' total bytes, or None.
+    """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
     return sum(ddp_bucket_sizes(model))
@@ -121,6 +159,14 @@ def ddp_notes_and_part(model: Any, measure: Callable[[], bool]) -> tuple[list[st
     the gradients tenant and cost nothing more; otherwise they are a second copy of the gradients,
     reported as the ``ddp_buckets`` part. DDP rebuilds its buckets after the first step, so the size is
     re-read only where ``measure()`` says so.
+
+    Args:
+        model: the strategy's model (``trainer.strategy.model``).
+        measure: whether the current step is measured (the reader re-reads the buckets' size then).
+
+    Returns:
+        The sentences (none where ``model`` is not DDP) and the ``ddp_buckets`` reader, or None where the
+        buckets are no extra memory.
     """
     total = ddp_bucket_bytes(model)
     if total is None:
@@ -144,7 +190,14 @@ def ddp_notes_and_part(model: Any, measure: Callable[[], bool]) -> tuple[list[st
 
 
 def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel): its bytes on this rank are its local shard."""
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallel): its bytes on this rank are its local shard.
+
+    Args:
+        tensor: any object.
+
+    Returns:
+        True for a DTensor; False also where torch was built without distributed.
+    """
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed

@@ -41,6 +41,21 @@ def explain_peak(
 
     ``optimizer`` names each optimizer and the implementation that ran (single-tensor, foreach or
     fused), whose temporaries differ: ``expected_temporaries_bytes`` is the formula's figure for them.
+
+    Args:
+        phases: the step's phases (the last occurrence of each).
+        peak_phase: the phase whose window held the peak, or None where not measured.
+        peak_bytes: the step's peak, or None where not measured.
+        largest_parameter_bytes: the largest parameter's bytes, to size the optimizer's temporaries by.
+        optimizer: the optimizers and their implementations, in words.
+        expected_temporaries_bytes: the formula's temporaries for the optimizer step, or None.
+        gathered_bytes: the largest FSDP unit's unsharded bytes; 0 where parameters are not sharded.
+
+    Returns:
+        The sentence; it says so where the peak was not measured.
+
+    Raises:
+        KeyError: if ``peak_phase`` is not in ``phases``.
     """
     if peak_bytes is None or peak_phase is None:
         return "peak not measured: no memory source measured this step"
@@ -83,7 +98,15 @@ def explain_peak(
 
 
 def graph_notes(counts: GraphCounts, device_type: str) -> list[str]:
-    """What the step's graph walks found beside the tenants: checkpointed regions, the user's saved-tensor hooks."""
+    """What the step's graph walks found beside the tenants: checkpointed regions, the user's saved-tensor hooks.
+
+    Args:
+        counts: the graph walks' counts.
+        device_type: the device trained on, named where hooks moved tensors off it.
+
+    Returns:
+        One sentence per finding; none where the walks found nothing.
+    """
     notes = []
     if counts.checkpointed_regions:
         notes.append(

@@ -18,19 +18,39 @@ def optimizer_step_temporaries_bytes(optimizers: Sequence[Optimizer]) -> int:
     The single-tensor loop of Adam-like optimizers makes two temporaries the size of the
     parameter it works on, so its peak is set by the largest parameter; ``foreach`` makes
     one for every parameter at once; ``fused`` makes none (``formulas.step_temporaries_bytes``).
+
+    Args:
+        optimizers: the optimizers; one the package does not know adds 0.
+
+    Returns:
+        The temporaries' bytes, summed over the optimizers.
     """
     return sum(step_temporaries_bytes(optimizer) for optimizer in optimizers)
 
 
 def first_step_jump_bytes(module: nn.Module, optimizers: Sequence[Optimizer], state_now: int) -> tuple[int, int]:
-    """What the first optimizer step will add: (lazily created state, temporaries)."""
+    """What the first optimizer step will add: (lazily created state, temporaries).
+
+    Args:
+        module: the model.
+        optimizers: its optimizers.
+        state_now: the optimizer state's bytes before the step.
+
+    Returns:
+        The state the formula expects less what exists already (at least 0), and the step's temporaries.
+    """
     state = max(expected_fixed_cost(module, optimizers).optimizer_state_bytes - state_now, 0)
     return state, optimizer_step_temporaries_bytes(optimizers)
 
 
 @dataclass(frozen=True)
 class Fix:
-    """One remedy for an OOM and the bytes it would save."""
+    """One remedy for an OOM and the bytes it would save.
+
+    Args:
+        action: what to do, in words.
+        saves_bytes: about how many bytes it would save.
+    """
 
     action: str
     saves_bytes: int
@@ -49,6 +69,17 @@ def ranked_fixes(
 
     ``batch_temporaries_bytes`` is memory that grows with the batch but is not (yet) saved for
     backward: the forward's in-flight outputs when an OOM strikes there.
+
+    Args:
+        tenants: each tenant's bytes when the step failed.
+        module: the model (fp32 parameters suggest bf16-mixed).
+        optimizers: its optimizers (an Adam-like one suggests SGD without momentum).
+        world_size: the ranks the optimizer state could be sharded over (at least 2 is suggested).
+        temporaries_bytes: the optimizer step's temporaries, where the OOM struck in the optimizer step.
+        batch_temporaries_bytes: memory that grows with the batch beside the activations.
+
+    Returns:
+        The fixes that apply, most bytes saved first.
     """
     fixes = []
     activations = tenants.get("activations", 0)

@@ -6,7 +6,8 @@ anything. So the forecast keeps one line per window, ``peak = fixed + per_elemen
 where ``x`` is the number of elements in the input batch (samples x sequence length, so
 longer sequences count as well as more samples). From one observed size the slope is read
 off that step (what the forward allocated, the activations, the batch); from two or more
-sizes it is the secant through the two largest sizes.
+sizes it is the secant through the two largest sizes, never below the slope read off the
+latest step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class PeakForecast:
         forecast.observe(report, elements, batch_bytes, samples)  # after each measured step
         forecast.predict_peak_bytes(256)
         forecast.max_batch_size(24 * 2**30)
+
+    Attributes:
+        elements_per_sample: the most input elements per sample seen so far (the longest sample).
+        largest_elements: the most input elements of any batch seen so far.
     """
 
     def __init__(self) -> None:
@@ -76,6 +81,7 @@ class PeakForecast:
 
     @property
     def ready(self) -> bool:
+        """Whether a measured step has been observed, so that the forecast can predict."""
         return bool(self._lines)
 
     @property
@@ -84,7 +90,16 @@ class PeakForecast:
         return max((len(line.points) for line in self._lines.values()), default=0)
 
     def observe(self, report: StepReport, elements: int, batch_bytes: int, samples: int) -> None:
-        """Add one measured step; the latest step at a given size replaces earlier ones."""
+        """Add one measured step; the latest step at a given size replaces earlier ones.
+
+        A step whose peak was not measured, or a batch without elements, is ignored.
+
+        Args:
+            report: the step's report.
+            elements: input elements in the step's batch.
+            batch_bytes: the batch's bytes.
+            samples: samples in the batch.
+        """
         if report.peak_bytes is None or elements <= 0:
             return
         self.elements_per_sample = max(self.elements_per_sample, elements / max(samples, 1))
@@ -120,7 +135,15 @@ class PeakForecast:
         return self.predict_for_elements(x)
 
     def predict_for_elements(self, elements: float, windows: tuple[str, ...] | None = None) -> int | None:
-        """The predicted peak for a batch of ``elements`` input elements, over all or some windows."""
+        """The predicted peak for a batch of ``elements`` input elements, over all or some windows.
+
+        Args:
+            elements: input elements in the batch.
+            windows: the phases whose windows count (``"before_backward"``, ...); ``None`` counts all.
+
+        Returns:
+            The highest of those windows' predicted peaks in bytes, or ``None`` where none has been observed.
+        """
         lines = [line for name, line in self._lines.items() if windows is None or name in windows]
         if not lines:
             return None
@@ -138,7 +161,8 @@ class PeakForecast:
             or ``None`` before any measured step.
 
         Raises:
-            ValueError: if an argument is not a positive number.
+            ValueError: if ``budget_bytes`` is not an int of 0 or more, or ``elements_per_sample`` is not a
+                positive number.
         """
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a whole number of bytes, 0 or more, got {budget_bytes!r}")
@@ -156,6 +180,7 @@ class PeakForecast:
         return 2**31 - 1 if best == math.inf else int(best)
 
     def state_dict(self) -> dict[str, Any]:
+        """What the forecast has learnt, as plain types, so that a resumed run goes on from it."""
         return {
             "lines": {name: {"points": dict(line.points), "hint": line.hint} for name, line in self._lines.items()},
             "elements_per_sample": self.elements_per_sample,
@@ -164,6 +189,9 @@ class PeakForecast:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved.
+
+        Args:
+            state: a dict returned by :meth:`state_dict`.
 
         Raises:
             ValueError: if ``state`` is not such a dict; nothing is changed then.

@@ -16,16 +16,38 @@ class LeakDetector:
     above ``min_bytes_per_step``, memory grew at most steps, and the rise is large next to
     the scatter around the line. Healthy training settles after its first steps (Adam's
     state appears once), so the first two observations are not used.
+
+    Args:
+        window: how many of the latest observations are fitted; none is judged before the window is full.
+        min_bytes_per_step: the least growth per step, in bytes, that counts as a leak.
+
+    Raises:
+        ValueError: if ``window`` is not an int of 3 or more, or ``min_bytes_per_step`` not an int of 0 or more.
     """
 
     def __init__(self, window: int = 8, min_bytes_per_step: int = 64 * 1024) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise ValueError(f"window must be an int of 3 or more (a line through fewer says nothing), got {window!r}")
+        if isinstance(min_bytes_per_step, bool) or not isinstance(min_bytes_per_step, int) or min_bytes_per_step < 0:
+            raise ValueError(f"min_bytes_per_step must be an int of 0 or more, got {min_bytes_per_step!r}")
         self.window = window
         self.min_bytes_per_step = min_bytes_per_step
         self._seen = 0
         self._points: deque[tuple[int, int, dict[str, int]]] = deque(maxlen=window)
 
     def observe(self, step: int, phase: PhaseReport) -> str | None:
-        """Add ``batch_start`` of one step; return a warning once growth looks like a leak."""
+        """Add ``batch_start`` of one step; return a warning whenever the window's growth looks like a leak.
+
+        Allocated bytes are fitted where they were measured, else the tenants' sum; the warning names the
+        tenant (or ``other``) that grew fastest. The caller warns once.
+
+        Args:
+            step: the optimizer step.
+            phase: the step's ``batch_start``.
+
+        Returns:
+            The warning, or None.
+        """
         self._seen += 1
         if self._seen <= 2:
             return None
@@ -53,10 +75,14 @@ class LeakDetector:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        """The observations so far, as plain types, so that a resumed run keeps its baseline."""
         return {"seen": self._seen, "points": [list(p) for p in self._points]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved.
+
+        Args:
+            state: a dict returned by :meth:`state_dict`.
 
         Raises:
             ValueError: if ``state`` is not such a dict; nothing is changed then.

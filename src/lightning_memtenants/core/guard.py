@@ -15,6 +15,9 @@ class Guard:
         warn: how a failure is reported, once per part.
         doing: what the component does, for the warning ("measuring", "drawing").
         on_disable: called with the part's name when it is disabled, to release what it holds.
+
+    Attributes:
+        disabled: the names of the parts turned off so far.
     """
 
     def __init__(
@@ -29,7 +32,16 @@ class Guard:
         self._on_disable = on_disable
 
     def run(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, or None where ``part`` is disabled or ``fn`` raised (which disables it)."""
+        """``fn(*args)``, or None where ``part`` is disabled or ``fn`` raised (which disables it).
+
+        Args:
+            part: the part's name, for the warning and the disabled set.
+            fn: what the part does.
+            *args: passed to ``fn``.
+
+        Returns:
+            What ``fn`` returned, or None.
+        """
         if part in self.disabled:
             return None
         try:
@@ -39,7 +51,12 @@ class Guard:
             return None
 
     def disable(self, part: str, error: BaseException) -> None:
-        """Turn ``part`` off for good and say why, once."""
+        """Turn ``part`` off for good and say why, once.
+
+        Args:
+            part: the part's name.
+            error: what it raised, named in the warning.
+        """
         if part in self.disabled:
             return
         self.disabled.add(part)

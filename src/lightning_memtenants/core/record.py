@@ -1,8 +1,10 @@
 """The record: what was measured at each phase of a step, as numbers, and its one serialisation.
 
-The core fills the numbers; the analysis (``analysis/explain.py``) fills the sentence fields
-(``peak_explanation``, ``notes``, ``fixed_cost_notes``) and the formula's ``expected_fixed_bytes``;
-the renderers print both. Nothing here knows a feature or writes a sentence.
+The core measures the numbers; the analysis writes the sentences (``analysis/explain.py`` the
+``peak_explanation`` and the graph's ``notes``, ``analysis/engines.py`` the precision and strategy
+``notes``, ``analysis/formulas.py`` the ``fixed_cost_notes`` and the formula's ``expected_fixed_bytes``);
+the monitor puts both in the record, and the renderers print it. Nothing here knows a feature or writes
+a sentence.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class PhaseReport:
     """The tenants at one phase boundary, and what the memory source saw there.
 
     ``window_peak_bytes`` is the peak of the window that ends at this boundary (``names.WINDOWS``).
+
+    Args:
+        name: the phase boundary.
+        tenants_bytes: each tenant's bytes, counted from the tensors.
+        allocated_bytes: what the memory source saw allocated; None where not measured.
+        window_peak_bytes: the peak of the window that ends here; None where not measured.
+        reserved_bytes: what the allocator held from the device; None where not measured.
+        parts_bytes: the named parts outside the tenants (``names.PARTS``) that were measured here.
     """
 
     name: Phase
@@ -70,7 +80,11 @@ class PhaseReport:
         return replace(self, allocated_bytes=None, window_peak_bytes=None, reserved_bytes=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field and the computed ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``, as JSON types."""
+        """Every field and the computed ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``, as JSON types.
+
+        Returns:
+            A dict that :meth:`from_dict` reads back.
+        """
         out: dict[str, Any] = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
         out.update(total_bytes=self.total_bytes, other_bytes=self.other_bytes)
         out["fragmentation_bytes"] = self.fragmentation_bytes
@@ -78,15 +92,28 @@ class PhaseReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PhaseReport:
-        """The report ``to_dict`` wrote (the computed fields are recomputed, not read)."""
-        return cls(
-            name=data["name"],
-            tenants_bytes={t: int(data["tenants_bytes"][t]) for t in TENANTS},
-            allocated_bytes=_int_or_none(data.get("allocated_bytes")),
-            window_peak_bytes=_int_or_none(data.get("window_peak_bytes")),
-            reserved_bytes=_int_or_none(data.get("reserved_bytes")),
-            parts_bytes={k: int(v) for k, v in (data.get("parts_bytes") or {}).items()},
-        )
+        """The report ``to_dict`` wrote (the computed fields are recomputed, not read).
+
+        Args:
+            data: a dict written by :meth:`to_dict`, after a JSON round trip or not.
+
+        Returns:
+            The report.
+
+        Raises:
+            ValueError: if ``data`` is not such a dict (a field missing, a figure that is not a number).
+        """
+        try:
+            return cls(
+                name=data["name"],
+                tenants_bytes={t: int(data["tenants_bytes"][t]) for t in TENANTS},
+                allocated_bytes=_int_or_none(data.get("allocated_bytes")),
+                window_peak_bytes=_int_or_none(data.get("window_peak_bytes")),
+                reserved_bytes=_int_or_none(data.get("reserved_bytes")),
+                parts_bytes={k: int(v) for k, v in (data.get("parts_bytes") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"data must be a dict written by PhaseReport.to_dict(): {error!r}") from None
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,21 @@ class StepReport:
     ``phases`` holds the last occurrence of each phase in the step; ``micro_batches`` keeps
     every micro-batch's phases when gradients are accumulated. ``expected_fixed_bytes`` is the
     formula's figure, ``None`` where the check did not run (never 0 for "unknown").
+
+    Args:
+        step: the optimizer step.
+        phases: the last occurrence of each phase in the step.
+        micro_batches: every micro-batch's phases, in order.
+        tenants_bytes: each tenant's high-water mark over the step.
+        expected_fixed_bytes: the formula's fixed cost, or None where the check did not run.
+        measured_fixed_bytes: the fixed cost counted from the tensors at ``batch_end`` (else the last phase).
+        fixed_cost_notes: the fixed-cost check's sentences: the formula's notes and each way the count differs.
+        peak_bytes: the step's true peak, the highest window peak of its micro-batches; None where not measured.
+        peak_phase: the phase whose window held the peak.
+        peak_explanation: one sentence on what held memory at the peak, or why it was not measured.
+        memory_source: what measured the allocated bytes and peaks (the source's status).
+        notes: sentences on what the precision, the strategy and the graph add.
+        graph: what the graph walks found beside the tenants.
     """
 
     step: int
@@ -148,9 +190,14 @@ class StepReport:
         return max(TENANTS, key=lambda t: self.tenants_bytes[t])
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field and the computed ones (``parts_bytes``, ``tenant_sum_bytes``, ``peak_minus_sum_bytes``,
-        ``other_bytes``, ``fixed_deviation_bytes``; per phase ``other_bytes`` and ``fragmentation_bytes``),
-        as JSON types: what the CLI's JSON, the postmortem and the rank gather carry."""
+        """Every field and the computed ones, as JSON types: what the CLI's JSON and the postmortem carry.
+
+        The computed fields are ``parts_bytes``, ``tenant_sum_bytes``, ``peak_minus_sum_bytes``, ``other_bytes``
+        and ``fixed_deviation_bytes``, and per phase ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``.
+
+        Returns:
+            A dict that :meth:`from_dict` reads back.
+        """
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -171,6 +218,12 @@ class StepReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepReport:
         """The report ``to_dict`` wrote.
+
+        Args:
+            data: a dict written by :meth:`to_dict`, after a JSON round trip or not.
+
+        Returns:
+            The report.
 
         Raises:
             ValueError: if ``data`` is not such a dict.
@@ -198,7 +251,14 @@ class StepReport:
 
 
 def fixed_bytes(tenants: dict[Tenant, int]) -> int:
-    """Weights, gradients and optimizer state together: the fixed cost."""
+    """Weights, gradients and optimizer state together: the fixed cost, which the formula predicts.
+
+    Args:
+        tenants: each tenant's bytes.
+
+    Returns:
+        The bytes of the three fixed tenants.
+    """
     return sum(tenants[t] for t in FIXED_TENANTS)
 
 

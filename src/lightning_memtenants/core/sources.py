@@ -20,7 +20,13 @@ from lightning_memtenants.core.tracker import LiveTensorTracker
 
 @dataclass(frozen=True)
 class Reading:
-    """What a source saw at one phase boundary; ``None`` means not measured."""
+    """What a source saw at one phase boundary; ``None`` means not measured.
+
+    Args:
+        allocated_bytes: the bytes allocated now.
+        window_peak_bytes: the highest allocated bytes since the previous reading.
+        reserved_bytes: what the allocator holds from the device, allocated or not.
+    """
 
     allocated_bytes: int | None = None
     window_peak_bytes: int | None = None
@@ -28,7 +34,14 @@ class Reading:
 
 
 class MemorySource:
-    """The interface, and the source of last resort: it measures nothing."""
+    """The interface, and the source of last resort: it measures nothing.
+
+    Attributes:
+        name: the source's kind, for the report.
+        every_step: whether it is cheap enough to run on every step, not only on logged ones.
+        sees_compiled_code: whether allocations made by ``torch.compile``'d kernels show in its figures.
+        run_peak_bytes: the highest allocated bytes this source has seen since it was made, or None.
+    """
 
     name = "none"
     every_step = True
@@ -41,13 +54,22 @@ class MemorySource:
 
     @property
     def status(self) -> str:
+        """What the source measures, in words, for the report's ``memory_source``."""
         return "not measured"
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
-        """Begin a measured window; ``roots`` are tensors that already exist."""
+        """Begin a measured window.
+
+        Args:
+            roots: tensors that already exist, for a source that must be told of them.
+        """
 
     def read(self) -> Reading:
-        """Allocated bytes now and the peak since the previous read; opens a new window."""
+        """Allocated bytes now and the peak since the previous read; opens a new window.
+
+        Returns:
+            The reading; here every figure is None.
+        """
         return Reading()
 
     def pause(self) -> None:
@@ -61,10 +83,17 @@ class MemorySource:
 
         A counting source ignores this; the tracker counts those made outside the dispatcher (the 0-d
         tensor autograd keeps for ``loss / 2``, the outputs of compiled code) from now on.
+
+        Args:
+            storages: the storages found alive.
         """
 
     def total_bytes(self) -> int | None:
-        """The device's capacity, where the source knows it."""
+        """The device's capacity, where the source knows it.
+
+        Returns:
+            The device's total bytes, or None (always here).
+        """
         return None
 
     def _saw(self, nbytes: int | None) -> None:
@@ -80,6 +109,12 @@ class _PeakCounters(MemorySource):
     ``max_memory_allocated()``), so the run's highest reading, including what the counter held when
     we first reset it, is kept in ``run_peak_bytes``. Without it the counter is left alone, and a
     window's peak is known only where the counter rose in that window (it set a new high).
+
+    Args:
+        reset_peaks: reset the peak counter at every phase boundary (see above).
+
+    Raises:
+        ValueError: if ``reset_peaks`` is not a bool.
     """
 
     def __init__(self, reset_peaks: bool = True) -> None:
@@ -98,6 +133,7 @@ class _PeakCounters(MemorySource):
         raise NotImplementedError
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
+        """Begin a window: reset the peak counter, or remember its value; the first start records the old peak."""
         counters = self._counters()
         if counters is None:
             return
@@ -110,6 +146,7 @@ class _PeakCounters(MemorySource):
             self._last_max = counters[1]
 
     def read(self) -> Reading:
+        """The counters now; the window's peak is None without ``reset_peaks`` unless the counter set a new high."""
         counters = self._counters()
         if counters is None:
             return Reading()
@@ -135,20 +172,27 @@ class CudaSource(_PeakCounters):
         device: the CUDA device; ``None`` is the current one.
         reset_peaks: reset ``max_memory_allocated`` at every phase boundary (exact window peaks)
             or leave it to the rest of the process (see ``run_peak_bytes``).
+
+    Raises:
+        ValueError: if ``reset_peaks`` is not a bool.
     """
 
     name = "cuda"
 
     def __init__(self, device: torch.device | int | str | None = None, *, reset_peaks: bool = True) -> None:
         super().__init__(reset_peaks)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device is None:  # the current device, where there is one; a CPU-only torch has none to ask
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cuda"
+        self.device = torch.device(device)
 
     @property
     def available(self) -> bool:
+        """Whether this torch sees a CUDA device."""
         return torch.cuda.is_available()
 
     @property
     def status(self) -> str:
+        """The allocator's counters and whether the peak counter is reset, or why nothing is measured."""
         if not self.available:
             return "not available: this torch has no CUDA device"
         return "cuda allocator counters" + self._how
@@ -164,13 +208,23 @@ class CudaSource(_PeakCounters):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def total_bytes(self) -> int | None:
+        """The device's total memory (``mem_get_info``), or None without CUDA."""
         if not self.available:
             return None
         return int(torch.cuda.mem_get_info(self.device)[1])
 
 
 class AcceleratorSource(_PeakCounters):
-    """``torch.accelerator``'s device-generic counters (XPU and others), where they exist."""
+    """``torch.accelerator``'s device-generic counters (XPU and others), where they exist.
+
+    Args:
+        device: the accelerator device.
+        reset_peaks: reset the peak counter at every phase boundary (exact window peaks) or leave it to the
+            rest of the process (see ``run_peak_bytes``).
+
+    Raises:
+        ValueError: if ``reset_peaks`` is not a bool.
+    """
 
     name = "accelerator"
 
@@ -183,6 +237,7 @@ class AcceleratorSource(_PeakCounters):
 
     @property
     def status(self) -> str:
+        """The counters in use and whether the peak counter is reset, or ``"not measured"`` without them."""
         return f"torch.accelerator counters on {self.device}{self._how}" if self._api else "not measured"
 
     def _counters(self) -> tuple[int, int, int | None] | None:
@@ -198,6 +253,7 @@ class AcceleratorSource(_PeakCounters):
         self._api.reset_peak_memory_stats(self.device)
 
     def total_bytes(self) -> int | None:
+        """The device's total memory, where ``torch.accelerator`` reports it; else None."""
         if self._api is None or not hasattr(self._api, "get_memory_info"):
             return None
         return int(self._api.get_memory_info(self.device)[1])
@@ -210,17 +266,38 @@ class MpsSource(MemorySource):
 
     @property
     def status(self) -> str:
+        """What MPS measures: allocated bytes, no peaks."""
         return "torch.mps.current_allocated_memory (no peaks)"
 
     def read(self) -> Reading:
-        return Reading(allocated_bytes=int(torch.mps.current_allocated_memory()))
+        """The allocated bytes now; no window peak, no reserved bytes."""
+        allocated = int(torch.mps.current_allocated_memory())
+        self._saw(allocated)
+        return Reading(allocated_bytes=allocated)
 
     def total_bytes(self) -> int | None:
+        """Metal's recommended maximum working set for the GPU (``recommended_max_memory``), in bytes."""
         return int(torch.mps.recommended_max_memory())
 
 
 class TrackerSource(MemorySource):
-    """The live-tensor tracker as a source: exact, but a Python call per operator."""
+    """The live-tensor tracker as a source: exact, but a Python call per operator.
+
+    Args:
+        device_type: the device type whose storages are counted.
+        scan: on the first start, find the tensors that already exist with a ``gc`` scan.
+        limit_bytes: a simulated device's size: an operator that passes it raises a CUDA-style OOM.
+        host_ops: operators whose outputs stand for host memory in a model of another device.
+        label: the status to report instead of the default.
+        allocator: a model of a caching allocator, whose blocks are counted (and its reserved bytes read).
+        count_fake: count fake tensors as the memory they stand for (a prediction).
+
+    Attributes:
+        tracker: the :class:`LiveTensorTracker` behind the source.
+
+    Raises:
+        ValueError: if ``count_fake`` is not a bool.
+    """
 
     name = "tracker"
     every_step = False
@@ -250,12 +327,22 @@ class TrackerSource(MemorySource):
 
     @property
     def status(self) -> str:
+        """The label, else the tracker and its device type."""
         return self.label or f"live-tensor tracker ({self.tracker.device_type})"
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
+        """Start the tracker; ``roots`` are counted as well as what its scan finds."""
         self.tracker.start(roots)
 
     def read(self) -> Reading:
+        """The tracker's current bytes and window peak (and the allocator model's reserved bytes).
+
+        Returns:
+            The reading; every figure is None while the tracker is paused.
+
+        Raises:
+            RuntimeError: if the tracker failed inside an operator, so that its figures cannot be trusted.
+        """
         if self.tracker.error is not None:
             raise RuntimeError(f"the tracker failed inside an operator: {self.tracker.error!r}")
         if not self.tracker.active:
@@ -266,12 +353,15 @@ class TrackerSource(MemorySource):
         return Reading(allocated, peak, allocator.reserved_bytes if allocator is not None else None)
 
     def pause(self) -> None:
+        """Pause the tracker: the per-operator cost stops until the next start."""
         self.tracker.pause()
 
     def stop(self) -> None:
+        """Stop the tracker and forget every storage it counted."""
         self.tracker.stop()
 
     def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Have the running tracker count ``storages`` it has not seen; ignored while it is paused."""
         if self.tracker.active:
             self.tracker.adopt(storages)
 
@@ -285,7 +375,11 @@ def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> Memor
             phase boundary (see :class:`CudaSource`).
 
     Returns:
-        The source; a :class:`MemorySource` that measures nothing where the device is absent.
+        The source: a :class:`TrackerSource` on CPU and meta, :class:`MpsSource` on MPS, allocator counters
+        elsewhere; a :class:`MemorySource` that measures nothing where CUDA is absent.
+
+    Raises:
+        ValueError: if ``reset_peaks`` is not a bool (CUDA and other accelerators only).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -293,12 +387,21 @@ def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> Memor
     if device.type in ("cpu", "meta"):
         return TrackerSource(device.type)
     if device.type == "mps":
-        return MpsSource()
+        return MpsSource() if torch.backends.mps.is_available() else MemorySource()
     return AcceleratorSource(device, reset_peaks=reset_peaks)
 
 
 def device_budget_bytes(device: torch.device) -> int | None:
-    """The device's capacity, reduced by ``set_per_process_memory_fraction`` on CUDA; None elsewhere."""
+    """The device's capacity, reduced by ``set_per_process_memory_fraction`` on CUDA; None elsewhere.
+
+    It is the budget a run checks against when the user gives none.
+
+    Args:
+        device: the device trained on.
+
+    Returns:
+        The bytes this process may use, or None off CUDA.
+    """
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     total = int(torch.cuda.mem_get_info(device)[1])

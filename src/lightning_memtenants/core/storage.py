@@ -41,8 +41,17 @@ PLAIN = (Tensor, nn.Parameter)
 def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:
     """The storages behind a tensor: its own, or a sparse tensor's indices and values.
 
-    Another layout raises ``ValueError``: a measurement that cannot count a tensor says so (and is
-    disabled with a warning) rather than leaving it out.
+    A measurement that cannot count a tensor says so (and is disabled with a warning) rather than
+    leaving it out.
+
+    Args:
+        tensor: a strided or sparse (COO, CSR, CSC, BSR, BSC) tensor.
+
+    Returns:
+        One storage for a strided tensor, one per part for a sparse one.
+
+    Raises:
+        ValueError: if ``tensor`` has another layout.
     """
     if tensor.layout is torch.strided:
         return (tensor.untyped_storage(),)
@@ -53,12 +62,33 @@ def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:
 
 
 def storage_key(tensor: Tensor) -> int:
-    """Identity of the storage behind ``tensor``, valid for as long as the storage lives."""
+    """Identity of the storage behind ``tensor``, valid for as long as the storage lives.
+
+    Args:
+        tensor: a strided tensor.
+
+    Returns:
+        A key that two tensors sharing one storage (views) have in common.
+    """
     return id(tensor.untyped_storage())
 
 
 def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``."""
+    """Bytes of the storages behind ``tensors`` not already in ``seen``; adds them to ``seen``.
+
+    Sharing ``seen`` between calls counts a storage once across tenants (a view is never counted twice),
+    and a DTensor counts as its local shard.
+
+    Args:
+        tensors: the tensors to count.
+        seen: the storage keys counted so far; updated in place.
+
+    Returns:
+        The bytes of the storages first seen here.
+
+    Raises:
+        ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
+    """
     total = 0
     add = seen.add
     for tensor in tensors:
@@ -73,7 +103,15 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
 
 
 def tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[Tensor]:
-    """The tensors inside ``value``: mappings, lists, tuples and dataclasses, read without rebuilding them."""
+    """The tensors inside ``value``: mappings, lists, tuples and dataclasses, read without rebuilding them.
+
+    Args:
+        value: a tensor, or any nesting of those containers; other objects hold no tensor here, and a
+            container met twice (one that contains itself, say) is read once.
+
+    Yields:
+        Each tensor found, depth first (a mapping's values, not its keys).
+    """
     if isinstance(value, Tensor):
         yield value
         return
@@ -96,12 +134,26 @@ def tensors_in(value: Any, _seen: set[int] | None = None) -> Iterator[Tensor]:
 
 
 def batch_tensors(batch: Any) -> list[Tensor]:
-    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses); other objects hold none."""
+    """The tensors inside a batch of any nesting (tuples, lists, dicts, dataclasses); other objects hold none.
+
+    Args:
+        batch: what the dataloader gave.
+
+    Returns:
+        The tensors, in the order :func:`tensors_in` finds them.
+    """
     return list(tensors_in(batch))
 
 
 def batch_elements(batch: Any) -> tuple[int, int]:
-    """Elements and bytes of the tensors in ``batch``: the forecast's measure of its size."""
+    """Elements and bytes of the tensors in ``batch``: the forecast's measure of its size.
+
+    Args:
+        batch: what the dataloader gave.
+
+    Returns:
+        The total number of elements and the total bytes of its tensors (0, 0 where it holds none).
+    """
     tensors = batch_tensors(batch)
     return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
 
@@ -111,13 +163,26 @@ def local_optimizer(optimizer: Optimizer) -> Optimizer:
 
     ZeroRedundancyOptimizer keeps its ``state`` empty and its ``param_groups`` global; the state of
     this rank's shard lives in the wrapped optimizer, whose groups hold only this rank's parameters.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        The wrapped optimizer, or ``optimizer`` itself where it wraps none.
     """
     inner = getattr(optimizer, "optim", None)
     return inner if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
 
 
 def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
-    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included."""
+    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included.
+
+    Args:
+        optimizers: the optimizers; each is read through :func:`local_optimizer`.
+
+    Yields:
+        Each state tensor, also those nested in containers inside the state.
+    """
     for optimizer in map(local_optimizer, optimizers):
         for state in optimizer.state.values():
             for value in state.values() if isinstance(state, dict) else (state,):

@@ -10,7 +10,8 @@ The tracker shares the process with the user's own modes and patches, so it comp
 its mode asks ``torch.compile`` to leave it out of compilation (``ignore_compile_internals``)
 rather than making Dynamo skip the frame, it leaves the mode stack as it found it even when
 the user's mode sits above it, and its ``UntypedStorage.resize_`` wrapper calls whatever was
-installed before and puts it back. Fake and meta tensors are never counted as real memory.
+installed before and puts it back. A tracker on a real device never counts fake or meta tensors
+as memory; ``count_fake`` counts fake tensors as the memory they stand for (a prediction).
 """
 
 from __future__ import annotations
@@ -183,6 +184,28 @@ class LiveTensorTracker:
     the limit raises ``torch.OutOfMemoryError("CUDA out of memory. ...")``, which Lightning's
     ``is_oom_error`` recognises, so OOM handling can be tested on a CPU.
 
+    Args:
+        device_type: the device type whose storages are counted (``"cpu"``, ``"meta"``, ...); ``None``
+            counts every device.
+        scan: on the first start, find the tensors that already exist with a ``gc`` scan.
+        limit_bytes: the simulated device's size in bytes; ``None`` sets no limit.
+        host_ops: names of operators whose outputs stand for host memory in a model of another device;
+            their storages are never counted.
+        allocator: a model of a caching allocator (``malloc(key, nbytes) -> block bytes``, ``free(key)``)
+            whose block sizes are counted instead of the tensors' own bytes; the difference is
+            ``rounding_bytes``.
+        count_fake: count fake and meta tensors as the memory they stand for (a prediction does; a real
+            run never does).
+
+    Attributes:
+        current_bytes: the bytes of the storages alive now.
+        peak_bytes: the highest ``current_bytes`` since the last start.
+        rounding_bytes: what the allocator model adds above the tensors' own bytes.
+        error: the first failure inside an operator; from then on the tracker only passes operators through.
+
+    Raises:
+        ValueError: if ``count_fake`` is not a bool.
+
     Example::
 
         with LiveTensorTracker() as tracker:
@@ -229,10 +252,17 @@ class LiveTensorTracker:
 
     @property
     def active(self) -> bool:
+        """Whether the tracker follows new allocations now (started and not paused)."""
         return self._mode is not None
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
-        """Begin following allocations; the first start also scans for tensors that already exist."""
+        """Begin following allocations; the first start also scans for tensors that already exist.
+
+        Sizes of the storages already known are re-read, and the peak starts again at the current bytes.
+
+        Args:
+            roots: tensors that already exist and that a scan may not find (gradients held only by C++).
+        """
         if self.scan and not self._scanned:
             self._scanned = True
             self.register(_live_tensors(self.count_fake))
@@ -271,26 +301,47 @@ class LiveTensorTracker:
         self.pause()
 
     def read(self) -> tuple[int, int]:
-        """Current bytes and the peak since the previous read (or start); opens a new window."""
+        """Current bytes and the peak since the previous read (or start); opens a new window.
+
+        Returns:
+            ``(current_bytes, window_peak_bytes)``.
+        """
         peak, self._window_peak = self._window_peak, self.current_bytes
         return self.current_bytes, peak
 
     def register(self, tensors: Iterable[Tensor]) -> None:
-        """Count the storages behind ``tensors`` that are not counted yet."""
+        """Count the storages behind ``tensors`` that are not counted yet.
+
+        Args:
+            tensors: any tensors; each is counted as :meth:`add` counts it.
+        """
         for tensor in tensors:
             self.add(tensor)
 
     def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
-        """Count storages found by other means that the dispatcher never showed (made in C++ or compiled code)."""
+        """Count storages found by other means that the dispatcher never showed (made in C++ or compiled code).
+
+        Args:
+            storages: the storages; those on other devices are skipped unless ``count_fake``.
+        """
         for storage in storages:
             if self.device_type is None or storage.device.type == self.device_type or self.count_fake:
                 self._add_storage(storage)
 
     def add(self, tensor: Tensor) -> None:
-        """Count the storage behind one tensor (or the storages inside a wrapper subclass)."""
+        """Count the storage behind one tensor (or the storages inside a wrapper subclass).
+
+        Args:
+            tensor: the tensor; one on another device is skipped, and so is a fake or meta tensor of a
+                subclass (a ``FakeTensor``, a meta ``Parameter``) unless ``count_fake`` or the tracker
+                follows the meta device itself.
+
+        Raises:
+            ValueError: if the tensor's layout cannot be counted (see ``storages_of``).
+        """
         if self.device_type is not None and tensor.device.type != self.device_type:
             return
-        if type(tensor) is not Tensor and not self.count_fake and _is_fake(tensor):
+        if type(tensor) is not Tensor and not self.count_fake and self.device_type != "meta" and _is_fake(tensor):
             return
         if tensor.layout is torch.strided and (type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor)):
             self._add_storage(tensor.untyped_storage())
@@ -299,7 +350,13 @@ class LiveTensorTracker:
                 self._add_storage(storage)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
-        """Take a storage's new size: a resize to 0 frees its bytes, a resize back allocates them."""
+        """Take a storage's new size: a resize to 0 frees its bytes, a resize back allocates them.
+
+        A failure here is kept in ``error`` rather than raised, as the resize itself has happened.
+
+        Args:
+            storage: the storage that ``UntypedStorage.resize_`` just resized.
+        """
         if self.error is None and (storage.device.type == self.device_type or self.device_type is None):
             try:
                 self._add_storage(storage)
@@ -307,7 +364,11 @@ class LiveTensorTracker:
                 self.error = error
 
     def host(self, tensor: Tensor) -> None:
-        """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later."""
+        """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later.
+
+        Args:
+            tensor: a strided tensor; the mark lasts as long as its storage lives.
+        """
         storage = tensor.untyped_storage()
         key = id(storage)
         host = self._host
@@ -337,6 +398,12 @@ class LiveTensorTracker:
 
         After an OOM the limit rests until live bytes are back under it, as the failed step's
         tensors are released: the error handling that follows an OOM is not itself failed.
+
+        Args:
+            before: the live bytes before the operator ran.
+
+        Raises:
+            torch.OutOfMemoryError: if the operator took live bytes past ``limit_bytes`` (and above ``before``).
         """
         limit = self.limit_bytes
         if limit is None:

@@ -27,6 +27,11 @@ class Alerts:
         margin: the fraction of a budget kept free for allocator rounding.
         strict: raise :class:`MemoryBudgetError` where the first optimizer step is projected not to fit.
         warn: how a warning is given (rank zero's).
+
+    Attributes:
+        budget: the run's budget, or None.
+        forecast: the peak forecast fitted to the measured steps.
+        leaks: the leak detector.
     """
 
     def __init__(self, budget_bytes: int | None, *, margin: float, strict: bool, warn: Callable[[str], Any]) -> None:
@@ -41,12 +46,21 @@ class Alerts:
         self._batch: BatchSize = (0, 0, 0)
 
     def set_budget(self, budget_bytes: int | None) -> None:
-        """The run's budget (the argument, else the device's capacity); warnings start afresh."""
+        """The run's budget (the argument, else the device's capacity); warnings start afresh.
+
+        Args:
+            budget_bytes: the memory the step may use, or None for no budget.
+        """
         self.budget = None if budget_bytes is None else Budget(budget_bytes, self.margin)
         self._warned = set()
 
     def batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Size the batch; a batch larger than any seen gets its projected peak checked."""
+        """Size the batch; a batch larger than any seen gets its projected peak checked.
+
+        Args:
+            batch: what the dataloader gave.
+            batch_idx: its index, named in the warning.
+        """
         sized = self.guard.run("the forecast", batch_size, batch)
         self._batch = sized or (0, 0, 0)
         elements, _, samples = self._batch
@@ -64,7 +78,11 @@ class Alerts:
             )
 
     def before_backward(self, monitor: TenantMonitor) -> None:
-        """Project the peak of this batch's backward and optimizer step."""
+        """Project the peak of this batch's backward and optimizer step, and warn where it passes the budget.
+
+        Args:
+            monitor: the run's monitor, just past ``before_backward``.
+        """
         if self.budget is None:
             return
         projected = self.guard.run("the forecast", self._project_backward, monitor)
@@ -77,7 +95,14 @@ class Alerts:
             )
 
     def before_optimizer_step(self, monitor: TenantMonitor) -> None:
-        """Before the first optimizer step: project the state and temporaries it will add."""
+        """Before the first optimizer step: project the state and temporaries it will add.
+
+        Args:
+            monitor: the run's monitor, just past ``before_optimizer_step``.
+
+        Raises:
+            MemoryBudgetError: with ``strict``, if the projected peak passes the budget less the margin.
+        """
         if self.budget is None or monitor.steps_done:
             return
         projected = self.guard.run("the forecast", _project_first_step, monitor)
@@ -93,7 +118,11 @@ class Alerts:
             )
 
     def step_end(self, report: StepReport) -> None:
-        """Feed a measured step to the forecast and the leak detector."""
+        """Feed a measured step to the forecast and the leak detector, and warn once of a leak.
+
+        Args:
+            report: the step; one whose peak was not measured is ignored.
+        """
         if report.peak_bytes is None:
             return
         elements, nbytes, samples = self._batch
@@ -106,11 +135,26 @@ class Alerts:
                 self._warn(leak)
 
     def headroom_bytes(self, report: StepReport) -> int | None:
-        """What the budget leaves above this step's peak, or None."""
+        """What the budget leaves above this step's peak, or None.
+
+        Args:
+            report: the step.
+
+        Returns:
+            The budget (before the margin) less the peak, or None without a budget or a measured peak.
+        """
         return None if self.budget is None else self.budget.headroom_bytes(report.peak_bytes)
 
     def max_batch_size(self, budget_bytes: int | None = None, elements_per_sample: float | None = None) -> int | None:
-        """The largest batch whose predicted peak fits ``budget_bytes`` (else the run's budget) less the margin."""
+        """The largest batch whose predicted peak fits ``budget_bytes`` (else the run's budget) less the margin.
+
+        Args:
+            budget_bytes: the budget in bytes; None uses the run's.
+            elements_per_sample: input elements per sample; None uses the longest seen so far.
+
+        Returns:
+            The batch size, or None without a budget or before a step was measured.
+        """
         total = budget_bytes if budget_bytes is not None else (self.budget.total_bytes if self.budget else None)
         if total is None or not self.forecast.ready:
             return None
@@ -160,8 +204,15 @@ def _project_first_step(monitor: TenantMonitor) -> tuple[int, int, int]:
 def batch_size(batch: Any) -> BatchSize | None:
     """Elements, bytes and samples of a batch; None where it holds no tensor (the forecast then skips it).
 
-    Samples are the leading size of the first tensor: no call to Lightning's ``extract_batch_size``,
-    which warns about an ambiguous batch size to a user who never logged anything.
+    Samples are the leading size of the first tensor with a dimension (1 where every tensor is 0-d): no call
+    to Lightning's ``extract_batch_size``, which warns about an ambiguous batch size to a user who never
+    logged anything.
+
+    Args:
+        batch: what the dataloader gave.
+
+    Returns:
+        ``(elements, bytes, samples)``, or None.
     """
     tensors = batch_tensors(batch)
     elements = sum(t.numel() for t in tensors)

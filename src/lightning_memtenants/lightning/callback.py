@@ -77,6 +77,11 @@ class MemoryTenantsCallback(Callback):
             ``run_peak_bytes``. ``False`` leaves the counter alone, and a window's peak is then
             measured only where it set a new high.
 
+    Attributes:
+        latest: the report of the last optimizer step of the last fit, or None.
+        latest_measured: the last report whose peak was measured, or None.
+        first: the report of the first optimizer step, or None.
+
     Raises:
         ValueError: if an argument has the wrong type or value.
 
@@ -162,8 +167,10 @@ class MemoryTenantsCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        """One key per configuration, as Lightning's own callbacks build it, so two differently set up
-        instances can share a Trainer and its checkpoints."""
+        """One key per configuration, so that two differently set up instances can share a Trainer and its checkpoints.
+
+        It is built as Lightning's own callbacks build theirs (``_generate_state_key``).
+        """
         source = self.memory_source if isinstance(self.memory_source, str) else type(self.memory_source).__name__
         return self._generate_state_key(
             memory_source=source,
@@ -241,11 +248,15 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The forecast and the leak baseline, saved in checkpoints so that a resumed fit goes on from them."""
         return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the forecast and the leak baseline that ``state_dict`` saved (a resumed fit).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned.
 
         Raises:
             ValueError: if ``state_dict`` is not a dict saved by ``state_dict()``; nothing changes then.
@@ -266,6 +277,7 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Start each fit with a fresh forecast, leak baseline and postmortem path."""
         if stage == "fit":
             # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
             # which Lightning calls after setup
@@ -274,6 +286,7 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the monitor and its source, describe the precision and strategy, and set the budget."""
         self._close(release=True)
         self.latest = self.latest_measured = self.first = None
         self._open_batch, self._last_step, self._step, self._ranks = False, None, 0, []
@@ -315,6 +328,7 @@ class MemoryTenantsCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Measure ``batch_start``; the first batch of an optimizer step decides whether the step is measured."""
         monitor = self._monitor
         if monitor is None:
             return
@@ -331,18 +345,21 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Measure ``before_backward``, the activations read from the loss's graph, and project backward's peak."""
         self._phase("before_backward", output=loss)
         if self._monitor is not None:
             self._alerts.before_backward(self._monitor)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure ``after_backward``."""
         self._phase("after_backward")
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        """Measure ``before_optimizer_step``, and before the first step project what it will add."""
         self._stepped = True
         self._phase("before_optimizer_step")
         if self._monitor is not None:
@@ -352,6 +369,11 @@ class MemoryTenantsCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Measure ``batch_end``; once the optimizer step is over, close its report, then log and check it.
+
+        The step is over where an optimizer stepped, or after the accumulation Lightning was asked for (under
+        manual optimization, a bound on the batches).
+        """
         monitor = self._monitor
         if monitor is None:
             return
@@ -388,12 +410,14 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Drop the step of a batch the epoch stopped inside, so that the next epoch starts a clean one."""
         if self._open_batch and self._monitor is not None:  # the epoch stopped inside a batch: it never ends
             self._open_batch = False
             self._monitor.skip_step()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the hooks, write TensorBoard's summary and desk, and print the first and last steps' tables."""
         self._close()
         latest = self.latest
         if latest is None:
@@ -406,6 +430,7 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """After an out-of-memory error, write the postmortem; in any case, let go of the model."""
         # Never raises and never talks to other ranks: the user's exception goes on as it is, and a rank that
         # failed leaves as fast as it would without us while the others wait in a collective.
         try:
@@ -431,6 +456,7 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove every hook and let go of the model and optimizers."""
         self._close(release=True)
         self._unbind()
 

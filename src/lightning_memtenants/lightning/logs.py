@@ -26,9 +26,13 @@ class Logs:
 
     Args:
         every_n_steps: log every this many optimizer steps; ``None`` follows the trainer's ``log_every_n_steps``.
-        desk_every_n_logs: with a TensorBoardLogger, draw the desk on every this-many-th logging step.
+        desk_every_n_logs: with a TensorBoardLogger, draw the desk on every this-many-th logging step; ``0``:
+            only at the end of fit.
         info: how a notice is given (rank zero's).
         warn: how a failure of ours is reported.
+
+    Attributes:
+        panels: the TensorBoard panels, on rank zero with a TensorBoardLogger; else None.
     """
 
     def __init__(
@@ -47,7 +51,11 @@ class Logs:
         self._warn = warn
 
     def open(self, trainer: pl.Trainer) -> None:
-        """Find the TensorBoard loggers (rank zero draws) and write the custom-scalars layout."""
+        """Find the TensorBoard loggers (rank zero draws) and write the custom-scalars layout.
+
+        Args:
+            trainer: the Trainer whose loggers get the reports.
+        """
         self.panels = None
         boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if trainer.loggers and not boards:
@@ -71,7 +79,15 @@ class Logs:
             self.panels.write_layout()
 
     def logs_next_step(self, trainer: pl.Trainer) -> bool:
-        """Whether Lightning logs the optimizer step about to run (asked at its first ``batch_start``)."""
+        """Whether Lightning logs the optimizer step about to run (asked at its first ``batch_start``).
+
+        Args:
+            trainer: the Trainer.
+
+        Returns:
+            True on the first step, on every ``every_n_steps``-th one (else the trainer's ``log_every_n_steps``),
+            and where the trainer is about to stop.
+        """
         step = batches_that_stepped(trainer)
         if step == 0:
             return True
@@ -88,7 +104,16 @@ class Logs:
         ranks: list[list[float]],
         budget_bytes: int | None,
     ) -> None:
-        """Log ``report``, the budget's and the ranks' figures to every logger (its separator), at Lightning's step."""
+        """Log ``report``, the budget's and the ranks' figures to every logger (its separator), at Lightning's step.
+
+        Args:
+            trainer: the Trainer whose loggers get the scalars.
+            report: the step.
+            headroom_bytes: the budget less the step's peak, or None.
+            max_batch_size: the forecast's largest batch, or None.
+            ranks: every rank's figures (see ``gather_ranks``); empty in a single-process run.
+            budget_bytes: the budget, drawn in the desk picture, or None.
+        """
         step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             separator = getattr(logger, "group_separator", "/")  # a logger without one joins with "/"
@@ -101,18 +126,36 @@ class Logs:
             self.panels.on_log(report, step, budget_bytes)
 
     def show_headroom(self, pl_module: pl.LightningModule, headroom_bytes: int) -> None:
-        """Put the headroom in the progress bar (not in the loggers: the scalars carry it)."""
+        """Put the headroom in the progress bar (not in the loggers: the scalars carry it).
+
+        Args:
+            pl_module: the LightningModule whose ``log`` feeds the progress bar.
+            headroom_bytes: the budget less the step's peak.
+        """
         self.guard.run("the progress bar", _show, pl_module, headroom_bytes)
 
     def fit_end(
         self, trainer: pl.Trainer, reports: list[StepReport], desk: StepReport, budget_bytes: int | None
     ) -> None:
-        """The summary and the desk picture, at the end of fit."""
+        """The summary and the desk picture, at the end of fit.
+
+        Args:
+            trainer: the Trainer.
+            reports: the steps to summarise (the first and the last).
+            desk: the step to draw.
+            budget_bytes: the budget, or None.
+        """
         if self.panels is not None:
             self.panels.on_fit_end(reports, batches_that_stepped(trainer), budget_bytes, desk)
 
     def postmortem(self, trainer: pl.Trainer, record: dict[str, Any], latest: StepReport | None) -> None:
-        """The postmortem, as text in TensorBoard."""
+        """The postmortem, as text in TensorBoard.
+
+        Args:
+            trainer: the Trainer.
+            record: the postmortem record.
+            latest: the last completed step, whose table goes with it, or None.
+        """
         if self.panels is not None:
             self.panels.on_postmortem(record, batches_that_stepped(trainer), latest)
 

@@ -29,6 +29,10 @@ class Postmortem:
             else the working directory.
         record_history: on CUDA, keep the allocator's history and dump it next to the postmortem.
         warn: how a failure of ours is reported.
+
+    Attributes:
+        log_dir: the logger's directory, set by the caller at the start of fit, or None.
+        path: the JSON postmortem written in this fit, or None.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None, *, record_history: bool, warn: Callable[[str], Any]):
@@ -40,7 +44,11 @@ class Postmortem:
         self._recording = False
 
     def start(self, device: torch.device) -> None:
-        """Begin the allocator's history, where asked and on CUDA."""
+        """Begin the allocator's history, where asked and on CUDA.
+
+        Args:
+            device: the device trained on.
+        """
         if self.record_history and device.type == "cuda":
             self._recording = self.guard.run("the allocator history", _record, True) is not None
 
@@ -62,9 +70,26 @@ class Postmortem:
         budget_bytes: int | None,
         last_step: StepReport | None,
     ) -> dict[str, Any] | None:
-        """Write the postmortem of ``error`` and return its record; None where writing it failed."""
+        """Write the postmortem of ``error`` and return its record; None where writing it failed.
+
+        It also dumps the allocator's history where it was recorded, and warns where the files are.
+
+        Args:
+            monitor: the run's monitor, which counts the tenants at the failure.
+            module: the model.
+            error: the out-of-memory error.
+            world_size: the number of ranks; above 1 the files carry the rank.
+            rank: this rank.
+            step: the optimizer step that failed.
+            budget_bytes: the run's budget, or None.
+            last_step: the last completed step, or None.
+
+        Returns:
+            The record, or None.
+        """
         return self.guard.run(
-            "the postmortem", self._write, monitor, module, error, world_size, rank, step, budget_bytes, last_step
+            "the postmortem",
+            lambda: self._write(monitor, module, error, (world_size, rank, step), budget_bytes, last_step),
         )
 
     def _write(
@@ -72,12 +97,11 @@ class Postmortem:
         monitor: TenantMonitor,
         module: nn.Module,
         error: BaseException,
-        world_size: int,
-        rank: int,
-        step: int,
+        where: tuple[int, int, int],
         budget_bytes: int | None,
         last_step: StepReport | None,
     ) -> dict[str, Any]:
+        world_size, rank, step = where
         last = monitor.last_phase()
         failing = PHASES[(PHASES.index(last.name) + 1) % len(PHASES)] if last is not None else "batch_start"
         if failing == "before_backward":  # inside the forward: its graph so far hangs off the failing frames
@@ -123,10 +147,17 @@ def _record(on: bool) -> bool:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error: ``torch.OutOfMemoryError``, or what Lightning's
-    ``is_oom_error`` recognises (the CPU allocator's "can't allocate memory" included).
+    """Whether ``error`` is an out-of-memory error, so that a postmortem is written for it and for nothing else.
 
-    That function assumes ``args[0]`` is a string; this one never raises, whatever the exception holds.
+    That is a ``torch.OutOfMemoryError``, or what Lightning's ``is_oom_error`` recognises (the CPU allocator's
+    "can't allocate memory" included). That function assumes ``args[0]`` is a string; this one never raises,
+    whatever the exception holds.
+
+    Args:
+        error: the exception training raised.
+
+    Returns:
+        True for an out-of-memory error.
     """
     if isinstance(error, torch.OutOfMemoryError):
         return True

@@ -24,6 +24,13 @@ def gather_ranks(strategy: Any, report: StepReport | None) -> list[list[float]]:
     """Every rank's figures (a row per rank, ``RANK_FIELDS``), through ``strategy.all_gather``.
 
     Every rank must call it on the same steps.
+
+    Args:
+        strategy: the Lightning strategy.
+        report: this rank's step, or None where it measured nothing (it sends NaN then).
+
+    Returns:
+        One row of MiB figures per rank, in rank order.
     """
     try:
         vector = torch.tensor(rank_vector(report), dtype=torch.float64, device=strategy.root_device)
@@ -33,7 +40,16 @@ def gather_ranks(strategy: Any, report: StepReport | None) -> list[list[float]]:
 
 
 def gather_or_warn(strategy: Any, report: StepReport | None, warn: Callable[[str], Any]) -> list[list[float]]:
-    """Each rank's figures; a failed collective warns and gives none."""
+    """Each rank's figures; a failed collective warns and gives none.
+
+    Args:
+        strategy: the Lightning strategy.
+        report: this rank's step, or None.
+        warn: how the failure is reported.
+
+    Returns:
+        The rows of :func:`gather_ranks`, or an empty list where the gather failed.
+    """
     try:
         return gather_ranks(strategy, report)
     except Exception as error:  # the collective itself failed: the process group is gone, training will say so

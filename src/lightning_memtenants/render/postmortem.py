@@ -28,7 +28,23 @@ def postmortem_record(
     rank: int = 0,
     last_step: StepReport | None = None,
 ) -> dict[str, Any]:
-    """What the postmortem says, as JSON types: where it failed, the tenants then and before, and the fixes."""
+    """What the postmortem says, as JSON types: where it failed, the tenants then and before, and the fixes.
+
+    Args:
+        error: the out-of-memory error.
+        last_phase: the last phase boundary the step passed, or None.
+        failing_window: the window that failed (a ``names.WINDOW_NAMES`` value), or None.
+        tenants_now: the tenants counted at the failure, or None where that count failed.
+        other_now: allocated bytes less the tenants at the failure, or None.
+        fixes: the remedies, most bytes saved first.
+        budget_bytes: the run's budget, or None.
+        step: the optimizer step that failed.
+        rank: this rank.
+        last_step: the last completed step, or None.
+
+    Returns:
+        The record; ``fattest_tenant`` is read from the tenants at the failure, else at the last phase.
+    """
     tenants: dict[str, int] = dict(tenants_now or (last_phase.tenants_bytes if last_phase else {}))
     if other_now is not None:
         tenants["other"] = other_now
@@ -58,6 +74,14 @@ def write_postmortem(
 
     On each rank of a distributed run the files are ``memtenants_oom_rank<r>.*``, so that ranks never
     write over each other. Nothing here talks to other ranks.
+
+    Args:
+        directory: where the files go; made if missing.
+        record: what :func:`postmortem_record` returned.
+        world_size: the number of ranks.
+
+    Returns:
+        The paths of the JSON and the text file.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -82,21 +106,38 @@ def _fix_lines(record: dict[str, Any]) -> list[str]:
 
 
 def postmortem_text(record: dict[str, Any], world_size: int = 1) -> str:
-    """The postmortem as plain text: the failure, the tenants before and at it, the fixes."""
-    where = f", rank {record['rank']}" if world_size > 1 else ""
+    """The postmortem as plain text: the failure, the tenants before and at it, the fixes.
+
+    Args:
+        record: what :func:`postmortem_record` returned.
+        world_size: the number of ranks; above 1 the rank is named.
+
+    Returns:
+        The text.
+
+    """
+    where = f", rank {record.get('rank')}" if world_size > 1 else ""
     lines = [
-        f"memtenants OOM postmortem: step {record['step']}{where}, {record['error']}",
-        f"failed in {record['phase_description']} ({record['phase']}), after {record['last_completed_phase']}",
+        f"memtenants OOM postmortem: step {record.get('step')}{where}, {record.get('error')}",
+        f"failed in {record.get('phase_description')} ({record.get('phase')}),"
+        f" after {record.get('last_completed_phase')}",
         "",
         f"{'tenant (MiB)':<18}{'last phase':>14}{'at failure':>14}",
     ]
     lines += [f"{name:<18}{mib(before):>14}{mib(now):>14}" for name, before, now in _rows(record)]
-    lines += ["", f"fattest tenant: {record['fattest_tenant']}", "fixes, most bytes saved first:"]
+    lines += ["", f"fattest tenant: {record.get('fattest_tenant')}", "fixes, most bytes saved first:"]
     return "\n".join(lines + [f"  {line}" for line in _fix_lines(record)])
 
 
 def postmortem_markdown(record: dict[str, Any]) -> str:
-    """The same postmortem as :func:`postmortem_text`, in markdown."""
+    """The same postmortem as :func:`postmortem_text`, in markdown.
+
+    Args:
+        record: what :func:`postmortem_record` returned; a missing field shows as None.
+
+    Returns:
+        The markdown.
+    """
     lines = [
         f"### memtenants OOM postmortem: step {record.get('step')}",
         "",

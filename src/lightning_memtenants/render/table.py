@@ -17,7 +17,14 @@ HIGH_WATER = "high-water mark"
 
 @dataclass(frozen=True)
 class Table:
-    """What a step's table shows: a title, rows of bytes (None: not measured) and the lines under it."""
+    """What a step's table shows: a title, rows of bytes (None: not measured) and the lines under it.
+
+    Args:
+        title: the table's heading.
+        source: the memory source, in words.
+        rows: one row per phase and the high-water marks: a label and one cell per ``COLUMNS`` entry.
+        lines: the sentences under the table.
+    """
 
     title: str
     source: str
@@ -26,7 +33,15 @@ class Table:
 
 
 def step_table(report: StepReport, budget_bytes: int | None = None) -> Table:
-    """The table of ``report``: its phases, the high-water marks, then the peak, the notes and the fixed cost."""
+    """The table of ``report``: its phases, the high-water marks, then the peak, the notes and the fixed cost.
+
+    Args:
+        report: the step.
+        budget_bytes: the run's budget, for a last line with the headroom; None leaves it out.
+
+    Returns:
+        The table, for :func:`to_text` or :func:`to_markdown`.
+    """
     rows: list[tuple[str, list[int | None]]] = []
     for name in PHASES:
         phase = report.phases.get(name)
@@ -64,7 +79,14 @@ def step_table(report: StepReport, budget_bytes: int | None = None) -> Table:
 
 
 def to_text(table: Table) -> str:
-    """The table in fixed-width columns, for a terminal or a log."""
+    """The table in fixed-width columns, for a terminal or a log.
+
+    Args:
+        table: what :func:`step_table` built.
+
+    Returns:
+        The text, sizes in MiB.
+    """
     width = max(len(name) for name in (*PHASES, HIGH_WATER))
     header = f"{'phase (MiB)':<{width}}" + "".join(f"{c:>16}" for c in COLUMNS)
     out = [f"{table.title} (memory source: {table.source})", header, "-" * len(header)]
@@ -73,7 +95,14 @@ def to_text(table: Table) -> str:
 
 
 def to_markdown(table: Table) -> str:
-    """The table in markdown, for TensorBoard's text panel and ``memtenants_summary.md``."""
+    """The table in markdown, for TensorBoard's text panel and ``memtenants_summary.md``.
+
+    Args:
+        table: what :func:`step_table` built.
+
+    Returns:
+        The markdown, sizes in MiB.
+    """
     out = [
         f"### {table.title}",
         "",
@@ -102,5 +131,13 @@ def format_table(report: StepReport, budget_bytes: int | None = None) -> str:
 
 
 def summary_markdown(report: StepReport, budget_bytes: int | None = None) -> str:
-    """The same table as :func:`format_table`, in markdown."""
+    """The same table as :func:`format_table`, in markdown.
+
+    Args:
+        report: the step to print.
+        budget_bytes: the run's budget, for a last line with the headroom; None leaves it out.
+
+    Returns:
+        The table and the lines under it, as markdown.
+    """
     return to_markdown(step_table(report, budget_bytes))

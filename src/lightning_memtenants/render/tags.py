@@ -22,12 +22,28 @@ RANK_FIELDS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "acti
 
 
 def tag(*parts: str, separator: str = "/") -> str:
-    """``memtenants`` and ``parts`` joined by the logger's separator."""
+    """``memtenants`` and ``parts`` joined by the logger's separator.
+
+    Args:
+        *parts: the tag's parts after ``memtenants``.
+        separator: the logger's ``group_separator``.
+
+    Returns:
+        The tag.
+    """
     return separator.join((ROOT, *parts))
 
 
 def metrics(report: StepReport, separator: str = "/") -> dict[str, float]:
-    """The scalars logged for one step, keyed by tag, in MiB; figures that were not measured are left out."""
+    """The scalars logged for one step, keyed by tag, in MiB; figures that were not measured are left out.
+
+    Args:
+        report: the step.
+        separator: the logger's ``group_separator``.
+
+    Returns:
+        Each tag and its value in MiB, sorted by tag.
+    """
     values: dict[tuple[str, ...], int | None] = {(f"{name}_MiB",): v for name, v in report.tenants_bytes.items()}
     values[("tenant_sum_MiB",)] = report.tenant_sum_bytes
     values[("fixed_expected_MiB",)] = report.expected_fixed_bytes
@@ -49,7 +65,16 @@ def metrics(report: StepReport, separator: str = "/") -> dict[str, float]:
 
 
 def budget_metrics(headroom_bytes: int | None, max_batch_size: int | None, separator: str = "/") -> dict[str, float]:
-    """The headroom under the budget (MiB) and the largest batch that fits (samples), where known."""
+    """The headroom under the budget (MiB) and the largest batch that fits (samples), where known.
+
+    Args:
+        headroom_bytes: the budget less the step's peak, or None.
+        max_batch_size: the forecast's largest batch, or None.
+        separator: the logger's ``group_separator``.
+
+    Returns:
+        The tags for the figures that are known.
+    """
     out = {}
     if headroom_bytes is not None:
         out[tag("headroom_MiB", separator=separator)] = headroom_bytes / MiB
@@ -59,7 +84,16 @@ def budget_metrics(headroom_bytes: int | None, max_batch_size: int | None, separ
 
 
 def rank_vector(report: StepReport | None) -> list[float]:
-    """This rank's figures in MiB, in the order of ``RANK_FIELDS``; NaN where not measured (or no report)."""
+    """This rank's figures in MiB, in the order of ``RANK_FIELDS``; NaN where not measured (or no report).
+
+    Every rank sends a vector of the same length, so the gather never waits on a rank that measured nothing.
+
+    Args:
+        report: this rank's step, or None.
+
+    Returns:
+        One float per ``RANK_FIELDS`` entry.
+    """
     if report is None:
         return [math.nan] * len(RANK_FIELDS)
     known: dict[str, int | None] = {**report.tenants_bytes}
@@ -68,7 +102,15 @@ def rank_vector(report: StepReport | None) -> list[float]:
 
 
 def rank_metrics(table: list[list[float]], separator: str = "/") -> dict[str, float]:
-    """Tags for a (world size x fields) table: each rank's figures, and their max and min over ranks."""
+    """Tags for a (world size x fields) table: each rank's figures, and their max and min over ranks.
+
+    Args:
+        table: one :func:`rank_vector` per rank, in rank order.
+        separator: the logger's ``group_separator``.
+
+    Returns:
+        The tags; NaN figures are left out.
+    """
     out: dict[str, float] = {}
     for column, name in enumerate(RANK_FIELDS):
         values = [row[column] for row in table]
@@ -86,6 +128,12 @@ def custom_scalars_layout(separator: str = "/") -> dict[str, dict[str, list[Any]
     """The custom-scalars layout, in ``SummaryWriter.add_custom_scalars`` form: one category, one chart per question.
 
     Every entry is a logged tag (TensorBoard reads them as regular expressions matched from the start).
+
+    Args:
+        separator: the logger's ``group_separator``.
+
+    Returns:
+        The layout.
     """
 
     def t(*parts: str) -> str:

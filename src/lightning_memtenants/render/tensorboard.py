@@ -43,6 +43,13 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
 
     The article's "desk": how much of the memory each tenant takes at each moment of the step,
     and how close the step comes to the edge. Drawn on a bare Agg figure, never through pyplot.
+
+    Args:
+        report: the step.
+        budget_bytes: the budget, drawn as a line (or named in the title where it is far above the bars).
+
+    Returns:
+        The figure.
     """
     names = [name for name in PHASES if name in report.phases]
     phases = [report.phases[name] for name in names]
@@ -99,7 +106,14 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
 
 
 def figure_rgb(figure: Figure) -> np.ndarray:
-    """The figure rendered by Agg as an ``H x W x 3`` uint8 array (for ``SummaryWriter.add_image``)."""
+    """The figure rendered by Agg as an ``H x W x 3`` uint8 array (for ``SummaryWriter.add_image``).
+
+    Args:
+        figure: a matplotlib figure, such as :func:`desk_figure` draws.
+
+    Returns:
+        The RGB pixels.
+    """
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
@@ -112,6 +126,14 @@ class TensorBoardPanels:
     ``add_text``, ``flush``); ``log_dirs`` receive the PNG and the markdown at the end. Each
     panel runs under this object's own guard, so a failing picture disables that picture
     only, never a measurement.
+
+    Args:
+        writers: the ``SummaryWriter``-like objects to write to.
+        log_dirs: where the PNG and the markdown go at the end of fit.
+        desk_every_n_logs: draw the desk on every this-many-th logging step (the first included); 0: only
+            at the end of fit.
+        separator: the logger's ``group_separator``.
+        warn: how a failing panel is reported.
     """
 
     def __init__(
@@ -139,7 +161,13 @@ class TensorBoardPanels:
         )
 
     def on_log(self, report: StepReport, step: int, budget_bytes: int | None = None) -> None:
-        """On a logging step: the desk picture every ``desk_every_n_logs``-th logging step, the first included."""
+        """On a logging step: the desk picture every ``desk_every_n_logs``-th logging step, the first included.
+
+        Args:
+            report: the step just logged.
+            step: the logger's step, so that the picture lines up with the scalars.
+            budget_bytes: the budget to draw, or None.
+        """
         every, self._logs = self.desk_every_n_logs, self._logs + 1
         self._last_log = (report.step, step)
         if every and (self._logs - 1) % every == 0:
@@ -148,7 +176,14 @@ class TensorBoardPanels:
     def on_fit_end(
         self, reports: Sequence[StepReport], step: int, budget_bytes: int | None = None, desk: StepReport | None = None
     ) -> None:
-        """At the end of fit: the summary of ``reports`` as text, and the desk of ``desk`` as image and PNG."""
+        """At the end of fit: the summary of ``reports`` as text, and the desk of ``desk`` as image and PNG.
+
+        Args:
+            reports: the steps to summarise (the first and the last).
+            step: the logger's step, where a report was not logged.
+            budget_bytes: the budget, or None.
+            desk: the step to draw (the last measured one), or None.
+        """
         if desk is not None:
             self.guard.run("the desk picture", self._desk, desk, self._logger_step(desk, step), budget_bytes, True)
         if reports:
@@ -157,7 +192,13 @@ class TensorBoardPanels:
             )
 
     def on_postmortem(self, record: dict[str, Any], step: int, latest: StepReport | None = None) -> None:
-        """After an OOM: the postmortem record and the last completed step's table, as text."""
+        """After an OOM: the postmortem record and the last completed step's table, as text.
+
+        Args:
+            record: the postmortem record.
+            step: the logger's step.
+            latest: the last completed step, or None.
+        """
         self.guard.run("the text summary", self._postmortem, record, step, latest)
 
     def _logger_step(self, report: StepReport, default: int) -> int:
