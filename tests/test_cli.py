@@ -73,6 +73,10 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, cli: Any) -> None:
         (("predict", f"{GPT}:Nope"), "has no class or function 'Nope'"),
         (("predict", f"{GPT}:TinyGPT", "--target", "cuda", "--gpu", "Voodoo3"), "--gpu must be one of"),
         (("predict", f"{GPT}:TinyGPT", "--gpu", "A6000"), "--gpu needs --target cuda"),
+        (("predict", f"{GPT}:TinyGPT", "--target", "H100", "--gpu", "A6000"), "--gpu needs --target cuda"),
+        (("predict", f"{GPT}:TinyGPT", "--target", "TPU"), "--target must be one of 'cpu', 'cuda' (an A100)"),
+        (("predict", f"{GPT}:TinyGPT", "--target", "sm_99"), "also written 'cuda:A6000', got 'sm_99'"),
+        (("predict", f"{GPT}:TinyGPT", "--target", "cuda:3"), "--target must be one of"),
     ]
     for args, expected in cases:
         run = cli(*args)
@@ -97,7 +101,7 @@ def test_predict_for_a_gpu(tmp_path: Path) -> None:
     init = '{"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 256, "block_size": 64}'
     run = memtenants(
         "predict", f"{GPT}:TinyGPT", "--batch-size", "2", "--seq-len", "16", "--init", init,
-        "--target", "cuda", "--gpu", "H100", "--json", str(out),
+        "--target", "H100", "--json", str(out),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "predicted for CUDA on H100" in run.stdout
@@ -105,6 +109,46 @@ def test_predict_for_a_gpu(tmp_path: Path) -> None:
     after_backward = document["report"]["phases"]["after_backward"]
     assert after_backward["parts_bytes"]["cublas_workspace"] == 2 * 32 * 2**20
     assert after_backward["reserved_bytes"] >= after_backward["allocated_bytes"]
+    assert (document["device"], document["gpu"]) == ("cuda", "H100")
+
+
+def test_target_names_the_gpu_and_gpu_is_deprecated(tmp_path: Path, user_module: str, cli: Any) -> None:
+    documents = {}
+    for name, args in {
+        "new": ("--target", "A6000"),
+        "prefixed": ("--target", "cuda:A6000"),
+        "deprecated": ("--target", "cuda", "--gpu", "A6000"),
+    }.items():
+        out = tmp_path / f"{name}.json"
+        run = cli("predict", f"{user_module}:Model", "--batch-size", "2", *args, "--json", str(out))
+        assert run.returncode == 0, run.stderr
+        assert "predicted for CUDA on A6000 (compute capability 8.6)" in run.stdout
+        if name == "deprecated":
+            assert run.stderr == (
+                "memtenants: warning: --gpu is deprecated and will be removed in the next release: write --target"
+                " A6000 instead of --target cuda --gpu A6000\n"
+            )
+        else:
+            assert run.stderr == ""
+        documents[name] = json.loads(out.read_text())
+    assert documents["new"] == documents["prefixed"] == documents["deprecated"]
+    report = documents["new"]["report"]
+    # Linear(8, 1): 36 bytes of weights and as many of gradients; Adam's two moments, its step counters on the host;
+    # pow keeps the 2 x 1 output, and autograd the closure's 8-byte int64 divisor
+    assert report["tenants_bytes"] == {"weights": 36, "gradients": 36, "optimizer_state": 72, "activations": 2 * 4 + 8}
+    assert report["expected_fixed_bytes"] == report["measured_fixed_bytes"] == 36 * 4
+    workspace = 4096 * 1024 * 2 + 16 * 1024 * 8  # per thread on compute capability 8.6
+    assert report["phases"]["after_backward"]["parts_bytes"]["cublas_workspace"] == 2 * workspace
+    assert (documents["new"]["device"], documents["new"]["gpu"]) == ("cuda", "A6000")
+
+
+def test_target_help_lists_what_it_accepts(cli: Any) -> None:
+    run = cli("predict", "--help")
+    assert run.returncode == 0
+    text = " ".join(run.stdout.split())
+    assert "--target DEVICE device to predict for (default cpu): one of 'cpu', 'cuda' (an A100), or a GPU" in text
+    assert "'A6000'" in text and "'sm_90', also written 'cuda:A6000'" in text
+    assert "--gpu GPU deprecated, to be removed in the next release: write --target A6000 instead" in text
 
 
 USER_MODULE = """

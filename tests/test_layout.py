@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from import_graph import PACKAGE, graph  # noqa: E402
+from import_graph import PACKAGE, graph
 
 # Lower layers first; a module may import its own layer's modules and any below, never one above.
 LAYERS: list[tuple[str, ...]] = [
@@ -102,6 +102,9 @@ _PRIVATE_ATTRIBUTES = {
     "_compiled_call_impl",
     "_per_optimizer_states",
     "_growth_tracker",
+    "_parameters",
+    "_buffers",
+    "_base",
 }
 
 

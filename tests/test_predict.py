@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_memtenants import PHASES, TENANTS, dry_run, largest_batch_size, predict, sweep
+from lightning_memtenants.predict import cuda_model, dryrun, fake, transformer
 
 HERE = Path(__file__).resolve().parent
 
@@ -215,6 +216,7 @@ def test_a_model_too_big_to_build_is_built_fake() -> None:
         ({"precision": "fp8"}, "precision"),
         ({"steps": 0}, "steps"),
         ({"target": "tpu"}, "target"),
+        ({"target": "sm_99"}, "target"),
         ({"gpu": "A6000"}, "gpu"),
         ({"loss_fn": 3}, "loss_fn"),
         ({"optimizer": "adam"}, "optimizer"),
@@ -223,6 +225,15 @@ def test_a_model_too_big_to_build_is_built_fake() -> None:
 def test_bad_arguments_name_themselves(kwargs: dict, names: str) -> None:
     with pytest.raises(ValueError, match=names):
         predict(SeedMLP(), (torch.Size([2, 1024]),), **kwargs)
+
+
+def test_predict_is_dry_run_s_last_report_with_the_same_options() -> None:
+    options = {"loss_fn": article_loss, "optimizer": torch.optim.SGD, "steps": 2, "target": "A6000"}
+    prediction = dry_run(seed_model(), torch.Size([8, 1024]), **options)
+    report = predict(seed_model(), torch.Size([8, 1024]), **options)
+    assert len(prediction.reports) == 2 and prediction.report.to_dict() == report.to_dict()
+    assert report.tenants_bytes["optimizer_state"] == 0  # plain SGD keeps no state
+    assert report.tenants_bytes["weights"] == report.tenants_bytes["gradients"] == SEED_WEIGHTS
 
 
 def test_plain_module_needs_a_loss_function() -> None:
@@ -300,3 +311,30 @@ def test_a_compiled_model_is_predicted_as_it_runs_eagerly_and_still_compiles_aft
     compiled(torch.randn(4, 8)).sum().backward()
     assert len(graphs) == 1  # and the user's own compile goes on as without us
     torch._dynamo.reset()
+
+
+def test_the_public_entry_points_have_google_style_docstrings() -> None:
+    import inspect
+
+    from lightning_memtenants import cli
+
+    documented = [
+        (dryrun, ("predict", "dry_run", "sweep", "largest_batch_size", "Prediction", "PredictOptions")),
+        (transformer, ("activation_check", "ActivationCheck", "korthikanti_bytes", "Term")),
+        (cuda_model, ("resolve_gpu", "resolve_target", "CachingAllocatorModel", "CudaTarget", "round_block")),
+        (cuda_model, ("cublas_workspace_bytes", "host_state_names", "host_state_bytes", "cuda_optimizer_defaults")),
+        (fake, ("check_precision", "fake_module", "fake_batch", "forward_context")),
+        (cli, ("main", "build_parser", "load_target")),
+    ]
+    missing = []
+    for module, names in documented:
+        for name in names:
+            doc = inspect.getdoc(getattr(module, name)) or ""
+            summary, _, body = doc.partition("\n\n")
+            takes = inspect.isclass(getattr(module, name)) or bool(inspect.signature(getattr(module, name)).parameters)
+            sections = ("Args:", "Keys:", "Attributes:") if takes else ("Returns:",)
+            if not summary or not any(section in body for section in sections):
+                missing.append(f"{module.__name__}.{name}")
+            if inspect.isfunction(getattr(module, name)) and "Returns:" not in body:
+                missing.append(f"{module.__name__}.{name} (Returns)")
+    assert missing == []

@@ -102,6 +102,11 @@ def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         ({"optimizer": lambda params: 5}, r"^optimizer\(params\) must return a torch.optim.Optimizer, got 5"),
         ({"precision": ["bf16-mixed"]}, r"^precision must be one of"),
         ({"target": ("cuda",)}, r"^target must be one of"),
+        ({"target": "TPU"}, r"^target must be one of 'cpu', 'cuda' \(an A100\), or a GPU: .*, got 'TPU'$"),
+        ({"target": 3}, r"^target must be one of 'cpu', 'cuda' .*, got 3$"),
+        ({"target": "sm_99"}, r"^target must be one of .* compute capability like '8.6' or 'sm_90'.*, got 'sm_99'$"),
+        ({"target": "cuda:Voodoo3"}, r"^target must be one of .*, got 'cuda:Voodoo3'$"),
+        ({"target": "A100", "gpu": "H100"}, r"^gpu \(deprecated\) names a CUDA architecture and needs target='cuda'"),
         ({"target": "cuda", "gpu": "sm_999"}, r"^gpu must be one of .* or a compute capability"),
         ({"target": "cuda", "gpu": 8.6}, r"^gpu must be one of .* \(a string\), got 8.6"),
     ],
@@ -110,6 +115,26 @@ def test_predict_refuses_bad_input_at_the_door(kwargs, message) -> None:
     arguments = {"batch": torch.Size([2, 8]), "loss_fn": loss, **kwargs}
     with pytest.raises(ValueError, match=message):
         predict(nn.Linear(8, 2), arguments.pop("batch"), **arguments)
+
+
+def test_precision_is_checked_by_one_function_with_one_message() -> None:
+    from lightning_memtenants import activation_check
+
+    messages = []
+    for check in (
+        lambda: predict(nn.Linear(8, 2), torch.Size([2, 8]), loss_fn=loss, precision="fp8"),
+        lambda: activation_check(nn.Linear(8, 2), torch.Size([2, 8]), precision="fp8"),
+    ):
+        with pytest.raises(ValueError) as raised:
+            check()
+        messages.append(str(raised.value))
+    expected = "precision must be one of ['16-mixed', '16-true', '32-true', '64-true', 'bf16-mixed', 'bf16-true']"
+    assert messages == [f"{expected}, got 'fp8'"] * 2
+
+
+def test_an_unknown_option_is_a_type_error_listing_the_options() -> None:
+    with pytest.raises(TypeError, match=r"^unexpected keyword argument 'gpus': the options are \['loss_fn', "):
+        predict(nn.Linear(8, 2), torch.Size([2, 8]), loss_fn=loss, gpus="A100")  # type: ignore[call-arg]
 
 
 def test_a_model_on_the_meta_device_is_predicted_like_a_real_one() -> None:

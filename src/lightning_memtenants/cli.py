@@ -3,6 +3,7 @@
 Example::
 
     memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --seq-len 512 --precision bf16-mixed --budget 24GiB
+    memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --target A6000
 
 The target names a file or module and a class (or a function building the model). The model
 must offer ``example_batch(batch_size, seq_len=None)``, which builds a batch for its
@@ -27,8 +28,8 @@ from torch import nn
 
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
-from lightning_memtenants.predict.cuda_model import resolve_gpu
-from lightning_memtenants.predict.dryrun import TARGETS, dry_run, largest_batch_size
+from lightning_memtenants.predict.cuda_model import TARGET_HELP, resolve_gpu, resolve_target
+from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
 from lightning_memtenants.render.table import format_table
 from lightning_memtenants.units import MiB, parse_bytes
@@ -40,7 +41,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 class UsageError(Exception):
-    """A bad argument, or the user's own code failing: reported on stderr, exit code 2."""
+    """A bad argument, or the user's own code failing: reported on stderr, exit code 2.
+
+    Raised rather than printed where it is found, so that every such error leaves by one door,
+    as one message, before anything else is printed.
+    """
 
 
 class _UserCodeFailed(Exception):
@@ -52,6 +57,11 @@ class _UserCodeFailed(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``memtenants`` command's arguments, so the console script and ``python -m`` parse alike.
+
+    Returns:
+        The parser, whose errors print one line and exit with code 2.
+    """
     parser = _Parser(prog="memtenants", description="What will use your training memory, predicted on a CPU.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("predict", help="predict one training step's tenants and peak under fake tensors")
@@ -62,13 +72,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", default=None, help="device memory to plan for, e.g. 24GiB; gives the largest batch")
     run.add_argument("--steps", type=_positive, default=1, help="steps to run; the report is of the last (default 1)")
     run.add_argument("--init", default="{}", help="constructor keyword arguments as JSON, e.g. '{\"n_layer\": 4}'")
-    run.add_argument("--target", dest="device", choices=TARGETS, default="cpu", help="device to predict for")
-    run.add_argument("--gpu", default=None, help="CUDA architecture for --target cuda, e.g. A6000 or 8.6")
+    run.add_argument(
+        "--target",
+        dest="device",
+        default="cpu",
+        metavar="DEVICE",
+        help=f"device to predict for (default cpu): one of {TARGET_HELP}".replace("%", "%%"),
+    )
+    run.add_argument(
+        "--gpu", default=None, help="deprecated, to be removed in the next release: write --target A6000 instead"
+    )
     run.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON ('-' for stdout)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memtenants``: predict a step's memory and print the table (and the JSON, with ``--json``).
+
+    Bad input is one line naming the argument, and a failure in the user's own code shows their
+    frames, never ours, so what to fix is the first thing read.
+
+    Args:
+        argv: the arguments after the program's name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        The exit code: 0, or 2 for a bad argument or the user's code failing (on stderr).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -94,13 +123,7 @@ def _predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
     if not isinstance(init, dict):
         raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
-    if args.gpu is not None and args.device != "cuda":
-        raise UsageError("--gpu needs --target cuda")
-    if args.device == "cuda":
-        try:
-            resolve_gpu(args.gpu)
-        except ValueError as error:
-            raise UsageError(str(error).replace("gpu must", "--gpu must")) from None
+    target, device, gpu = _device(args.device, args.gpu)
     json_path = _json_path(args.json)
     factory = load_target(args.target)
     if inspect.isclass(factory) and not issubclass(factory, nn.Module):
@@ -142,7 +165,7 @@ def _predict(args: argparse.Namespace) -> int:
 
         return batch
 
-    options = {"precision": args.precision, "steps": args.steps, "target": args.device, "gpu": args.gpu}
+    options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
     prediction = _run_step(lambda: dry_run(build, make_batch(args.batch_size), **options), args.batch_size)
     report = prediction.report
     print(format_table(report))  # the report's notes include the prediction's own
@@ -158,8 +181,8 @@ def _predict(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
             "precision": args.precision,
-            "device": args.device,
-            "gpu": args.gpu,
+            "device": device,
+            "gpu": gpu,
             "budget_bytes": budget,
             "largest_batch_size": largest,
             "notes": prediction.notes,
@@ -174,6 +197,38 @@ def _predict(args: argparse.Namespace) -> int:
             except OSError as error:
                 raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
     return 0
+
+
+def _device(target: str, gpu: str | None) -> tuple[str, str, str | None]:
+    """``--target`` (and the deprecated ``--gpu``) checked: what ``dry_run`` takes, and the device and GPU as written.
+
+    Returns:
+        The ``target`` for ``dry_run``; ``"cpu"`` or ``"cuda"``; the GPU as the user named it, or None.
+
+    Raises:
+        UsageError: naming ``--target`` or ``--gpu`` and what it accepts.
+    """
+    try:
+        found = resolve_target(target, "--target")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if gpu is None:
+        written = None
+        if found is not None and target.strip().lower() != "cuda":
+            written = target.strip()[5:].strip() if target.strip().lower().startswith("cuda:") else target.strip()
+        return target, "cpu" if found is None else "cuda", written
+    if target.strip().lower() != "cuda":
+        raise UsageError(f"--gpu needs --target cuda, got --target {target}; --gpu is deprecated: write --target {gpu}")
+    try:
+        resolve_gpu(gpu, "--gpu")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(
+        f"memtenants: warning: --gpu is deprecated and will be removed in the next release: write --target {gpu}"
+        f" instead of --target cuda --gpu {gpu}",
+        file=sys.stderr,
+    )
+    return f"cuda:{gpu}", "cuda", gpu
 
 
 def _json_path(value: str | None) -> Path | None:
@@ -231,7 +286,18 @@ def _takes_two(method: Any) -> bool:
 
 
 def load_target(target: str) -> Any:
-    """Import ``FILE.py:NAME`` or ``module:NAME``; an import that fails shows the user's own traceback."""
+    """Import ``FILE.py:NAME`` or ``module:NAME``; an import that fails shows the user's own traceback.
+
+    Args:
+        target: the model's place, ``FILE.py:NAME`` or ``package.module:NAME``.
+
+    Returns:
+        The class or function named, a callable.
+
+    Raises:
+        UsageError: if ``target`` is not of that form, the file does not exist, its import fails
+            (with the user's traceback), or it has no callable of that name.
+    """
     path, sep, name = target.rpartition(":")
     if not sep or not path or not name:
         raise UsageError(f"target must look like FILE.py:NAME or package.module:NAME, got {target!r}")

@@ -27,7 +27,7 @@ from lightning_memtenants.analysis.formulas import (
     step_temporaries_bytes,
 )
 from lightning_memtenants.checks import brief
-from lightning_memtenants.core.census import ActivationTracker, TenantCounter
+from lightning_memtenants.core.census import ActivationTracker, HostState, TenantCounter
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.sources import MemorySource, Reading, source_for
@@ -54,9 +54,13 @@ class TenantMonitor:
         device: the device trained on, for ``"auto"`` and for telling offloaded saved tensors
             apart; ``None`` reads it from the module's first parameter or buffer, else the CPU.
         warn: how a failed measurement is reported (once per part).
+        host_state: the optimizer-state entries kept in host memory, by optimizer (a GPU run's
+            ``step`` counters where the optimizer is neither capturable nor fused): left out of the
+            optimizer-state tenant and of the fixed-cost formula alike. ``None`` counts every entry.
 
     Raises:
-        ValueError: if ``source`` is none of the above, or ``device`` names no device.
+        ValueError: if ``source`` is none of the above, ``device`` names no device, or
+            ``host_state`` is not callable.
 
     Example::
 
@@ -83,6 +87,7 @@ class TenantMonitor:
         source: MemorySource | str | None = "auto",
         device: torch.device | str | None = None,
         warn: Callable[[str], Any] = warnings.warn,
+        host_state: HostState | None = None,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
@@ -102,6 +107,9 @@ class TenantMonitor:
         elif not isinstance(source, MemorySource):
             raise ValueError(f"source must be 'auto', None or a MemorySource, got {brief(source)}")
         self.source: MemorySource = source
+        if host_state is not None and not callable(host_state):
+            raise ValueError(f"host_state must be None or a callable of an optimizer, got {brief(host_state)}")
+        self.host_state = host_state
         self.measure = True
         self.steps_done = 0
         self._warn = warn
@@ -109,7 +117,7 @@ class TenantMonitor:
         if not track_activations:
             self._guard.disabled.add("activations")
         self._tracker = ActivationTracker(self.device.type)
-        self._counter = TenantCounter(module, self.optimizers)
+        self._counter = TenantCounter(module, self.optimizers, host_state)
         self._tracker.params = frozenset(id(t) for t in self._counter.tensors)
         self._parts: dict[Part, Callable[[], int]] = {}
         self._notes: list[str] = []
@@ -430,7 +438,7 @@ class TenantMonitor:
         key = (measured["weights"], measured["gradients"], measured["optimizer_state"])
         if self._fixed is not None and self._fixed[0] == key and not self.measure:
             return self._fixed[1][0], list(self._fixed[1][1])
-        expected = expected_fixed_cost(self.module, self.optimizers)
+        expected = expected_fixed_cost(self.module, self.optimizers, self.host_state)
         result = (expected.total_bytes, explain_fixed_cost(expected, measured, self.module, self.optimizers))
         self._fixed = (key, result)
         return result[0], list(result[1])

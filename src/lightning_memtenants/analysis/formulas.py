@@ -7,7 +7,7 @@ that every byte of difference gets a sentence that explains it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_memtenants._private import default_foreach, local_tensor, scaler_tensors
 from lightning_memtenants.checks import world_size as check_world_size
+from lightning_memtenants.core.census import HostState
 from lightning_memtenants.core.storage import local_optimizer
 
 
@@ -28,19 +29,20 @@ class StateSpec:
     lazy: bool = True
     factored: bool = False
 
-    def param_bytes(self, param: Tensor, state: dict | None = None) -> int:
+    def param_bytes(self, param: Tensor, state: dict | None = None, host: Collection[str] = ()) -> int:
         """State bytes of one parameter: full-size tensors, or Adafactor's row and column factors.
 
         Scalar counters take the dtype of the tensors already in ``state`` (an optimizer stepped
         inside a float64 default-dtype context makes float64 ``step`` counters), else the default's.
+        The entries named in ``host`` live in host memory (a GPU run's ``step`` counters) and cost nothing.
         """
-        scalars = sum(_scalar_size((state or {}).get(name)) for name in self.scalars)
+        scalars = sum(_scalar_size((state or {}).get(name)) for name in self.scalars if name not in host)
         param = local_tensor(param)
         if self.factored and param.dim() > 1:
             rows, cols = param.shape[-2], param.shape[-1]
             outer = param.numel() // (rows * cols)
             return outer * (rows + cols) * param.element_size() + scalars
-        return len(self.full_size) * _nbytes(param) + scalars
+        return len([name for name in self.full_size if name not in host]) * _nbytes(param) + scalars
 
 
 def _adam(group: dict) -> StateSpec:
@@ -150,11 +152,14 @@ class FixedCost:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_state_bytes
 
 
-def expected_fixed_cost(module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> FixedCost:
+def expected_fixed_cost(
+    module: nn.Module, optimizers: Sequence[Optimizer] = (), host_state: HostState | None = None
+) -> FixedCost:
     """The formula: numel x element size of every weight, gradient and optimizer state tensor.
 
     For fp32 Adam this is 16 bytes per trainable parameter plus 4 bytes of ``step`` per
-    parameter tensor.
+    parameter tensor. ``host_state`` names the state entries each optimizer keeps on the host
+    (as the census is told): they are left out, as they are of the measured tenant.
     """
     params = _unique(module.parameters())
     buffers = _unique(module.buffers())
@@ -182,7 +187,9 @@ def expected_fixed_cost(module: nn.Module, optimizers: Sequence[Optimizer] = ())
     unknown: list[str] = []
     unknown_params = 0
     lazy: list[str] = []
-    for optimizer in map(local_optimizer, optimizers):
+    for given in optimizers:
+        host = host_state(given) if host_state is not None else ()
+        optimizer = local_optimizer(given)
         for group in optimizer.param_groups:
             spec = state_spec(optimizer, group)
             if spec is None:
@@ -193,7 +200,7 @@ def expected_fixed_cost(module: nn.Module, optimizers: Sequence[Optimizer] = ())
                 lazy.append(type(optimizer).__name__)
             for p in group["params"]:
                 if p.requires_grad:
-                    state += spec.param_bytes(p, optimizer.state.get(p))
+                    state += spec.param_bytes(p, optimizer.state.get(p), host)
     return FixedCost(
         weights_bytes=weights,
         gradients_bytes=gradients,

@@ -7,7 +7,7 @@ meta tensors included. The activations are read from the loss's autograd graph, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
@@ -18,12 +18,17 @@ from torch.optim import Optimizer
 from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, local_tensor
 from lightning_memtenants.core.storage import (
     PLAIN,
+    local_optimizer,
     optimizer_state_tensors,
     storages_of,
     tensors_in,
     unique_storage_bytes,
 )
 from lightning_memtenants.names import Tenant
+
+HostState = Callable[[Optimizer], Collection[str]]
+"""Which per-parameter state entries an optimizer keeps in host memory, by name: on a GPU, the ``step``
+counters of an optimizer neither capturable nor fused are CPU tensors, in no device tenant."""
 
 
 class ActivationTracker:
@@ -254,11 +259,20 @@ class TenantCounter:
     (the monitor does so at ``batch_start`` of measured steps): training steps do not replace
     them. Optimizer state can be carried over
     between phases where no optimizer step can have run.
+
+    Args:
+        module: the model whose parameters, buffers and gradients are counted.
+        optimizers: its optimizers, whose state is the optimizer-state tenant.
+        host_state: the state entries each optimizer keeps on the host (see :data:`HostState`),
+            left out of the optimizer-state tenant; ``None`` counts every entry.
     """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> None:
+    def __init__(
+        self, module: nn.Module, optimizers: Sequence[Optimizer] = (), host_state: HostState | None = None
+    ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
+        self.host_state = host_state
         self.tensors: list[Tensor] = []
         self._weight_keys: set[int] = set()
         self._weights = 0
@@ -277,7 +291,7 @@ class TenantCounter:
         weights = self._weights
         gradients = unique_storage_bytes([t.grad for t in self.tensors if t.grad is not None], seen)
         if optimizer_state_bytes is None:
-            optimizer_state = unique_storage_bytes(optimizer_state_tensors(self.optimizers), seen)
+            optimizer_state = unique_storage_bytes(device_state_tensors(self.optimizers, self.host_state), seen)
         else:
             optimizer_state = optimizer_state_bytes
         saved = activations.live_bytes(exclude=seen) if activations is not None else 0
@@ -287,6 +301,25 @@ class TenantCounter:
             "optimizer_state": optimizer_state,
             "activations": saved,
         }
+
+
+def device_state_tensors(optimizers: Sequence[Optimizer], host_state: HostState | None = None) -> Iterator[Tensor]:
+    """The tensors of every optimizer's state but the entries ``host_state`` names for it (kept on the host)."""
+    if host_state is None:
+        yield from optimizer_state_tensors(optimizers)
+        return
+    for optimizer in optimizers:
+        host = host_state(optimizer)
+        if not host:
+            yield from optimizer_state_tensors([optimizer])
+            continue
+        for state in local_optimizer(optimizer).state.values():
+            if isinstance(state, dict):
+                for name, value in state.items():
+                    if name not in host:
+                        yield from tensors_in(value)
+            else:
+                yield from tensors_in(state)
 
 
 def take_census(

@@ -1,14 +1,16 @@
 """What a CUDA device adds to a step that a fake run on the CPU does not see, modelled from its mechanisms.
 
-A prediction for ``target="cuda"`` runs the step on fake CUDA tensors (they need no GPU) and
-adds what CUDA itself does, each as a named part of the report:
+A prediction for a GPU (``target="cuda"``, an A100, or ``target="A6000"``, ``"sm_90"``...) runs the
+step on fake tensors (they need no GPU) and adds what CUDA itself does, each as a named part of the
+report:
 
 - the caching allocator rounds every block up to 512 bytes (``allocator_rounding``);
 - cuBLAS keeps a workspace per handle, in allocated memory, from the first matrix multiply on
   a thread; autograd runs backward on its own device thread, so training holds two
   (``cublas_workspace``). The size depends on the architecture and ``CUBLAS_WORKSPACE_CONFIG``;
 - on CUDA an optimizer left to choose runs ``foreach`` (one temporary per parameter list),
-  and its ``step`` counters live on the host unless ``capturable`` or ``fused``.
+  and its ``step`` counters live on the host unless ``capturable`` or ``fused``: the census and
+  the fixed-cost formula are told so (:func:`host_state_names`) and leave them out.
 
 What is outside ``memory_allocated`` is listed in the notes, never added: the CUDA context, the
 libraries' own code and handles.
@@ -26,6 +28,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_memtenants._private import TorchDispatchMode
+from lightning_memtenants.checks import brief
 from lightning_memtenants.core.tracker import LiveTensorTracker
 
 BLOCK_BYTES = 512
@@ -64,12 +67,20 @@ OUTSIDE_ALLOCATOR = (
 
 @dataclass(frozen=True)
 class CudaTarget:
-    """The GPU a prediction is for: its name and compute capability."""
+    """The GPU a prediction is for, because what CUDA adds to a step depends on the architecture.
+
+    Build it with :func:`resolve_gpu` (or :func:`resolve_target`), which checks the name.
+
+    Args:
+        name: the GPU's name as :data:`GPUS` spells it ("A6000"), or ``sm_XY`` for a bare capability.
+        capability: the compute capability, ``(major, minor)``.
+    """
 
     name: str
     capability: tuple[int, int]
 
     def workspace_bytes(self, environ: Mapping[str, str] | None = None) -> int:
+        """The cuBLAS workspace per handle on this architecture; see :func:`cublas_workspace_bytes`."""
         return cublas_workspace_bytes(self.capability, environ)
 
 
@@ -80,11 +91,14 @@ CAPABILITIES = frozenset(
 )
 
 
-def resolve_gpu(gpu: str | None) -> CudaTarget:
+def resolve_gpu(gpu: str | None, name: str = "gpu") -> CudaTarget:
     """A GPU from its name ("A6000", case and spaces ignored) or compute capability ("8.6", "sm_86").
+
+    Every way of naming a GPU goes through here, so a name is checked in one place.
 
     Args:
         gpu: the name, the capability as a string, or ``None`` for an A100.
+        name: the argument ``gpu`` came from, for the error message.
 
     Returns:
         The target's name and compute capability.
@@ -92,7 +106,7 @@ def resolve_gpu(gpu: str | None) -> CudaTarget:
     Raises:
         ValueError: if ``gpu`` is not a string naming a known GPU or a compute capability NVIDIA has shipped.
     """
-    expected = f"gpu must be one of {sorted(GPUS)} or a compute capability like '8.6' or 'sm_90'"
+    expected = f"{name} must be one of {sorted(GPUS)} or a compute capability like '8.6' or 'sm_90'"
     if gpu is None:
         return CudaTarget("A100", GPUS["A100"])
     if not isinstance(gpu, str):
@@ -108,8 +122,52 @@ def resolve_gpu(gpu: str | None) -> CudaTarget:
     raise ValueError(f"{expected}, got {gpu!r}")
 
 
+TARGET_HELP = (
+    f"'cpu', 'cuda' (an A100), or a GPU: a name in {sorted(GPUS)} or a compute capability like '8.6' or"
+    " 'sm_90', also written 'cuda:A6000'"
+)
+
+
+def resolve_target(target: str, name: str = "target") -> CudaTarget | None:
+    """The device a prediction is for, from one string: the CPU, or a GPU by name or compute capability.
+
+    One argument says both "a GPU" and "which": ``"cuda"`` is an A100, ``"A6000"``,
+    ``"cuda:A6000"``, ``"8.6"`` and ``"sm_86"`` name one (through :func:`resolve_gpu`).
+
+    Args:
+        target: ``"cpu"``, ``"cuda"``, a GPU's name or compute capability, or ``"cuda:"`` and either.
+        name: the argument ``target`` came from, for the error message.
+
+    Returns:
+        ``None`` for the CPU, else the GPU.
+
+    Raises:
+        ValueError: naming ``name`` and what it accepts, for anything else (a GPU not known, a
+            compute capability NVIDIA has not shipped, a value that is not a string).
+    """
+    if isinstance(target, str):
+        key = target.strip().lower()
+        if key == "cpu":
+            return None
+        if key == "cuda":
+            return resolve_gpu(None, name)
+        gpu = target.strip()[5:] if key.startswith("cuda:") else target
+        try:
+            return resolve_gpu(gpu, name)
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be one of {TARGET_HELP}, got {brief(target)}")
+
+
 def round_block(nbytes: int) -> int:
-    """The CUDA caching allocator's block size for a request: at least 512 bytes, in 512-byte steps."""
+    """The CUDA caching allocator's block size for a request: at least 512 bytes, in 512-byte steps.
+
+    Args:
+        nbytes: the bytes a tensor's storage asks for.
+
+    Returns:
+        The bytes the block takes, which is what ``memory_allocated`` counts.
+    """
     return BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
@@ -127,12 +185,20 @@ class _Block:
 class CachingAllocatorModel:
     """The CUDA caching allocator's block and segment rules, so a prediction has ``memory_reserved`` too.
 
+    A GPU's allocator keeps freed blocks for reuse, so what a process reserves outgrows what its
+    tensors take; the fake run replays every allocation and free through this model to say by how much.
+
     Requests are rounded to 512 bytes. Up to 1 MiB they come from 2 MiB segments (the small
     pool), up to 10 MiB from 20 MiB segments, above that from segments rounded to 2 MiB. A
     request takes the smallest free block that fits (best fit), split when the rest is worth
     keeping (512 bytes in the small pool, over 1 MiB in the large); an unsplit block counts whole
     in ``allocated_bytes``, as CUDA's own counter does. Freed blocks merge with free neighbours;
     segments are never returned (no ``empty_cache``). One stream, no ``max_split_size_mb``.
+
+    Attributes:
+        reserved_bytes: the segments' bytes, ``memory_reserved``.
+        allocated_bytes: the taken blocks' bytes, ``memory_allocated``.
+        segments: how many segments were reserved.
     """
 
     SMALL_SIZE = 1 << 20
@@ -149,7 +215,15 @@ class CachingAllocatorModel:
         self._taken: dict[int, _Block] = {}
 
     def malloc(self, key: int, nbytes: int) -> int:
-        """Allocate for ``key``; returns the block's size, which is what ``memory_allocated`` counts."""
+        """Allocate a block for the storage ``key``, reusing a free one where one fits.
+
+        Args:
+            key: the storage's identity, to free it by.
+            nbytes: the bytes asked for.
+
+        Returns:
+            The block's size, which is what ``memory_allocated`` counts.
+        """
         size = round_block(nbytes)
         small = size <= self.SMALL_SIZE
         fits = [b for b in self._free if b.small == small and b.size >= size]
@@ -174,6 +248,7 @@ class CachingAllocatorModel:
         return block.size
 
     def free(self, key: int) -> None:
+        """Give back the block of ``key`` (nothing if it has none), merged with free neighbours."""
         block = self._taken.pop(key, None)
         if block is None:
             return
@@ -201,7 +276,15 @@ class CachingAllocatorModel:
 def cublas_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str] | None = None) -> int:
     """torch's cuBLAS workspace per handle: ``CUBLAS_WORKSPACE_CONFIG`` (":KiB:COUNT" pairs) or its default.
 
-    The default is 32 MiB on Hopper and Blackwell, else 4096 KiB x 2 + 16 KiB x 8 (8.125 MiB).
+    The workspace is allocated memory that no tensor of the user's holds, so the census cannot see
+    it; the default is 32 MiB on Hopper and Blackwell, else 4096 KiB x 2 + 16 KiB x 8 (8.125 MiB).
+
+    Args:
+        capability: the GPU's compute capability, ``(major, minor)``.
+        environ: the environment to read ``CUBLAS_WORKSPACE_CONFIG`` from; ``None`` for ``os.environ``.
+
+    Returns:
+        Bytes per cuBLAS handle.
     """
     environ = os.environ if environ is None else environ
     config = environ.get("CUBLAS_WORKSPACE_CONFIG", "")
@@ -218,6 +301,10 @@ class CublasWorkspaces(TorchDispatchMode):
 
     ``thread`` names the thread the step is on: ``"main"`` for forward and the optimizer,
     ``"autograd"`` while backward runs (set by the dry run at the phase boundaries).
+
+    Args:
+        tracker: the live-tensor tracker, which counts each workspace as allocated memory.
+        workspace_bytes: bytes per workspace (:func:`cublas_workspace_bytes`).
     """
 
     def __init__(self, tracker: LiveTensorTracker, workspace_bytes: int) -> None:
@@ -229,6 +316,7 @@ class CublasWorkspaces(TorchDispatchMode):
 
     @property
     def bytes(self) -> int:
+        """The workspaces allocated so far, in 512-byte blocks."""
         return sum(round_block(int(w.untyped_storage().nbytes())) for w in self.workspaces.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -239,12 +327,41 @@ class CublasWorkspaces(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def host_state_names(optimizer: Optimizer) -> frozenset[str]:
+    """The state entries ``optimizer`` keeps in host memory on a GPU: its scalar counters, unless capturable or fused.
+
+    torch makes them with ``torch.tensor(...)``, a CPU tensor, so they are in no CUDA figure; the
+    dry run hands this to the monitor (``host_state``) so that the census and the fixed-cost formula
+    both leave them out.
+
+    Args:
+        optimizer: an optimizer of the fake model.
+
+    Returns:
+        ``{"step", "mu_product"}`` (NAdam keeps both on the host) for an optimizer that keeps a step tensor and
+        is neither capturable nor fused, else nothing.
+    """
+    groups = optimizer.param_groups
+    if "capturable" not in optimizer.defaults or any(g.get("capturable") or g.get("fused") for g in groups):
+        return frozenset()
+    return _HOST_STEP
+
+
+_HOST_STEP = frozenset({"step", "mu_product"})  # torch/optim: "Deliberately host `step` and `mu_product` on CPU"
+
+
 def host_state_bytes(optimizers: list[Optimizer]) -> int:
-    """Bytes of ``step`` counters that a GPU run keeps on the host (optimizers not capturable nor fused)."""
+    """Bytes of ``step`` counters that a GPU run keeps on the host (optimizers not capturable nor fused).
+
+    Args:
+        optimizers: the optimizers, after a step (before one they hold no state).
+
+    Returns:
+        The bytes of the counters that :func:`host_state_names` names, as they exist now.
+    """
     total = 0
     for optimizer in optimizers:
-        groups = optimizer.param_groups
-        if "capturable" not in optimizer.defaults or any(g.get("capturable") or g.get("fused") for g in groups):
+        if not host_state_names(optimizer):
             continue
         for state in optimizer.state.values():
             step = state.get("step")
@@ -258,6 +375,12 @@ def cuda_optimizer_defaults(optimizer: Optimizer) -> list[str]:
 
     torch picks ``foreach`` on CUDA when the user left ``foreach`` and ``fused`` unset, but it
     does not recognise fake tensors as CUDA tensors, so the choice is made here instead.
+
+    Args:
+        optimizer: an optimizer of the fake model; its parameter groups are changed in place.
+
+    Returns:
+        The notes for the report: what was chosen, and where the step counters live.
     """
     notes = []
     for group in optimizer.param_groups:

@@ -9,19 +9,21 @@ its memory source, so the prediction is a :class:`StepReport` read exactly as ``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import Unpack
 
 from lightning_memtenants._private import lightning_optimizers
 from lightning_memtenants.analysis.forecast import PeakForecast
 from lightning_memtenants.checks import brief
-from lightning_memtenants.core.record import PhaseReport, StepReport
+from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
@@ -30,21 +32,79 @@ from lightning_memtenants.predict.cuda_model import (
     OUTSIDE_ALLOCATOR,
     CachingAllocatorModel,
     CublasWorkspaces,
+    CudaTarget,
     cuda_optimizer_defaults,
-    host_state_bytes,
+    host_state_names,
     resolve_gpu,
+    resolve_target,
 )
-from lightning_memtenants.predict.fake import PRECISIONS, eager, fake_batch, fake_module, fake_session, forward_context
+from lightning_memtenants.predict.fake import (
+    PRECISIONS,
+    check_precision,
+    eager,
+    fake_batch,
+    fake_module,
+    fake_session,
+    forward_context,
+)
 
+# The plain device names ``target`` takes; it also takes a GPU by name or compute capability (``resolve_target``).
 TARGETS = ("cpu", "cuda")
 
 ModelArg = nn.Module | Callable[[], nn.Module]
 BatchArg = Any
 
 
+class PredictOptions(TypedDict, total=False):
+    """The options of every prediction, declared once: :func:`predict`, :func:`dry_run`, :func:`sweep` and
+    :func:`largest_batch_size` all take them as keywords, each optional (its default in :data:`DEFAULTS`).
+
+    Keys:
+        loss_fn: ``loss_fn(model, batch) -> loss`` for a plain ``nn.Module``; ``None`` (the default) runs a
+            LightningModule's own ``training_step``.
+        optimizer: ``optimizer(params) -> Optimizer``; ``None`` (the default) runs a LightningModule's
+            ``configure_optimizers``, else ``torch.optim.Adam``.
+        precision: a Lightning precision name, a key of ``PRECISIONS`` (default ``"32-true"``).
+        steps: how many steps to run; the report is of the last (default 1).
+        target: the device predicted for (default ``"cpu"``): ``"cpu"``, ``"cuda"`` (an A100), or a
+            GPU by name (``"A6000"``, ``"H100"``) or compute capability (``"8.6"``, ``"sm_90"``), also
+            written ``"cuda:A6000"``.
+        gpu: deprecated, to be removed in the next release: the GPU for ``target="cuda"``; write
+            ``target="A6000"`` instead of ``target="cuda", gpu="A6000"``.
+    """
+
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None
+    optimizer: Callable[..., Optimizer] | None
+    precision: str
+    steps: int
+    target: str
+    gpu: str | None
+
+
+DEFAULTS: PredictOptions = {
+    "loss_fn": None,
+    "optimizer": None,
+    "precision": "32-true",
+    "steps": 1,
+    "target": "cpu",
+    "gpu": None,
+}
+
+
 @dataclass
 class Prediction:
-    """Everything a dry run produced: one report per step, and what was assumed on the way."""
+    """Everything a dry run produced: one report per step, and what was assumed on the way.
+
+    A forecast over batch sizes needs each run's batch size and elements beside its report, and a
+    reader needs the assumptions (a precision run differently, a GPU modelled), so they are kept together.
+
+    Args:
+        reports: one report per step, in order.
+        batch_elements: elements of the batch's tensors.
+        batch_bytes: bytes of the batch's tensors.
+        batch_size: the leading size of the batch's first tensor (1 for a scalar).
+        notes: what the prediction assumed, also in every report's notes.
+    """
 
     reports: list[StepReport]
     batch_elements: int
@@ -58,67 +118,70 @@ class Prediction:
         return self.reports[-1]
 
 
-def predict(
-    model: ModelArg,
-    batch: BatchArg,
-    *,
-    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
-    optimizer: Callable[..., Optimizer] | None = None,
-    precision: str = "32-true",
-    steps: int = 1,
-    target: str = "cpu",
-    gpu: str | None = None,
-) -> StepReport:
+def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions]) -> StepReport:
     """The memory report of a training step, predicted under fake tensors with no real memory.
 
-    ``model`` is a LightningModule (its own ``training_step`` and ``configure_optimizers``
-    run), a plain ``nn.Module`` with ``loss_fn(model, batch)`` and ``optimizer(params)``
-    (default ``torch.optim.Adam``), or a zero-argument callable that builds either; a callable
-    is built under fake tensors, so a model too big for this machine costs nothing.
+    A step run on fake tensors allocates nothing, so a model too big for this machine, or a GPU
+    this machine does not have, can be planned for before renting one. This is :func:`dry_run`'s
+    last report.
 
-    ``batch`` is real tensors, meta tensors or ``torch.Size`` shapes standing for tensors, or a
-    callable that builds the batch (given the fake model if it takes one argument). Nothing of
-    the caller's model is changed: its parameters are copied as fake tensors.
+    Args:
+        model: a LightningModule (its own ``training_step`` and ``configure_optimizers`` run), a
+            plain ``nn.Module`` with ``loss_fn`` (and ``optimizer``, default ``torch.optim.Adam``), or a
+            zero-argument callable that builds either; a callable is built under fake tensors, so a
+            model too big for this machine costs nothing. Nothing of the caller's model is changed:
+            its parameters are copied as fake tensors.
+        batch: real tensors, meta tensors or ``torch.Size`` shapes standing for tensors, or a
+            callable that builds the batch (given the fake model if it takes one argument).
+        **options: see :class:`PredictOptions`: ``loss_fn``, ``optimizer``, ``precision``, ``steps``
+            (``steps=1`` shows the first optimizer step, where the optimizer state is born;
+            ``steps=2`` a steady-state step), ``target`` (``"cpu"``, ``"cuda"``, ``"A6000"``,
+            ``"cuda:H100"``, ``"8.6"``...) and the deprecated ``gpu``.
 
-    The report is the last of ``steps`` steps: ``steps=1`` shows the first optimizer step,
-    where the optimizer state is born; ``steps=2`` a steady-state step.
+    Returns:
+        The report of the last step, read exactly as ``cb.latest`` in training.
+
+    Raises:
+        ValueError: naming the argument, for a bad model, batch or option.
+        TypeError: for an option that does not exist.
 
     Example::
 
-        report = predict(SeedMLP(), torch.Size([2048, 1024]))
+        report = predict(SeedMLP(), torch.Size([2048, 1024]), target="A6000")
         report.peak_bytes, report.tenants_bytes["activations"]
     """
-    return dry_run(
-        model,
-        batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        precision=precision,
-        steps=steps,
-        target=target,
-        gpu=gpu,
-    ).report
+    return dry_run(model, batch, **options).report
 
 
-def dry_run(
-    model: ModelArg,
-    batch: BatchArg,
-    *,
-    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
-    optimizer: Callable[..., Optimizer] | None = None,
-    precision: str = "32-true",
-    steps: int = 1,
-    target: str = "cpu",
-    gpu: str | None = None,
-) -> Prediction:
-    """Like :func:`predict`, but keeps every step's report and the assumptions made."""
-    _validate(model, batch, loss_fn, optimizer, precision, steps, target, gpu)
+def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions]) -> Prediction:
+    """Run the user's training step under fake tensors, measured by the same monitor as in training.
+
+    The one implementation behind :func:`predict`, :func:`sweep` and :func:`largest_batch_size`;
+    call it for every step's report and the assumptions made on the way.
+
+    Args:
+        model: as for :func:`predict`.
+        batch: as for :func:`predict`.
+        **options: see :class:`PredictOptions`.
+
+    Returns:
+        Every step's report, the batch's size, and the notes on what was assumed.
+
+    Raises:
+        ValueError: naming the argument, for a bad model, batch or option; ``gpu`` with a target
+            other than ``"cuda"``.
+        TypeError: for an option that does not exist.
+
+    Warns:
+        DeprecationWarning: for ``gpu``, saying what to write instead.
+    """
+    settings = _settings(model, batch, options)
+    loss_fn, optimizer, precision, gpu_target = settings.loss_fn, settings.optimizer, settings.precision, settings.gpu
     notes: list[str] = []
-    if precision == "16-mixed" and target == "cpu":
+    if precision == "16-mixed" and gpu_target is None:
         precision = "bf16-mixed"
         notes.append("16-mixed on the CPU runs as bf16-mixed, as Lightning does there")
     param_dtype, autocast_dtype = PRECISIONS[precision]
-    gpu_target = resolve_gpu(gpu) if target == "cuda" else None
     with fake_session() as mode:
         fake = fake_module(model, mode, param_dtype)
         fake.train()
@@ -142,7 +205,9 @@ def dry_run(
                 "the model's torch.compile'd parts are predicted as they run eagerly; inductor's kernels may"
                 " save and allocate other tensors"
             )
-        monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise)
+        # on a GPU the step counters are host tensors (the tracker's HOST_OPS): in no tenant, nor the formula
+        host_state = host_state_names if gpu_target is not None else None
+        monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise, host_state=host_state)
         threads: Any = contextlib.nullcontext()
         if gpu_target is not None:
             threads = CublasWorkspaces(source.tracker, gpu_target.workspace_bytes())
@@ -162,12 +227,10 @@ def dry_run(
         reports = []
         try:
             with threads, eager():
-                for index in range(steps):
+                for index in range(settings.steps):
                     reports.append(_step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads))
         finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
             monitor.close()
-        if gpu_target is not None:
-            reports = [_without_host_state(report, optimizers) for report in reports]
     return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
 
 
@@ -175,9 +238,24 @@ def sweep(
     model: ModelArg,
     make_batch: Callable[[int], Any],
     batch_sizes: Sequence[int] = (1, 2),
-    **kwargs: Any,
+    **options: Unpack[PredictOptions],
 ) -> tuple[PeakForecast, list[Prediction]]:
     """Predict at several batch sizes and fit the peak forecast: the largest batch for a budget, with no GPU.
+
+    The forecast is the same as training fits from measured steps, so a plan made before training
+    reads the same as one made during it.
+
+    Args:
+        model: as for :func:`predict`.
+        make_batch: builds the batch for a batch size, as :func:`predict` takes it.
+        batch_sizes: the sizes to predict at, positive integers.
+        **options: see :class:`PredictOptions`, the same for every size.
+
+    Returns:
+        The fitted forecast, and each size's prediction in order.
+
+    Raises:
+        ValueError: if ``batch_sizes`` is empty or holds anything but positive integers, or as :func:`dry_run`.
 
     Example::
 
@@ -189,7 +267,7 @@ def sweep(
     forecast = PeakForecast()
     predictions = []
     for size in batch_sizes:
-        prediction = dry_run(model, make_batch(size), **kwargs)
+        prediction = dry_run(model, make_batch(size), **options)
         forecast.observe(prediction.report, prediction.batch_elements, prediction.batch_bytes, size)
         predictions.append(prediction)
     return forecast, predictions
@@ -202,7 +280,7 @@ def largest_batch_size(
     *,
     start: int = 1,
     limit: int = 2**24,
-    **kwargs: Any,
+    **options: Unpack[PredictOptions],
 ) -> int:
     """The largest batch whose predicted peak fits ``budget_bytes``: exact, where a forecast line is not.
 
@@ -210,6 +288,21 @@ def largest_batch_size(
     small batches (the optimizer step, say) hides a steeper one that leads later (backward).
     So the search predicts at the sizes it guesses, secant first and halving when that stalls,
     until the answer fits and one more sample does not. Each guess is one dry run.
+
+    Args:
+        model: as for :func:`predict`.
+        make_batch: builds the batch for a batch size, as :func:`predict` takes it.
+        budget_bytes: the memory to fit, in bytes.
+        start: the first size to try, a positive integer (a size known to fit saves dry runs).
+        limit: the largest size searched.
+        **options: see :class:`PredictOptions`, the same for every size.
+
+    Returns:
+        The largest batch size whose peak is at most ``budget_bytes`` (``limit`` if that fits), or
+        0 if even a batch of 1 does not fit.
+
+    Raises:
+        ValueError: if ``budget_bytes`` or ``start`` is not a positive integer, or as :func:`dry_run`.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -219,13 +312,13 @@ def largest_batch_size(
 
     def peak(size: int) -> int:
         if size not in seen:
-            seen[size] = dry_run(model, make_batch(size), **kwargs).report.peak_bytes or 0
+            seen[size] = dry_run(model, make_batch(size), **options).report.peak_bytes or 0
         return seen[size]
 
     if peak(start) > budget_bytes:
         if start == 1:
             return 0
-        return largest_batch_size(model, make_batch, budget_bytes, start=1, limit=start, **kwargs)
+        return largest_batch_size(model, make_batch, budget_bytes, start=1, limit=start, **options)
     lo, hi = start, None
     size = 2 * start
     while hi is None:  # grow by secant steps from the last two sizes until one does not fit
@@ -263,64 +356,73 @@ def _bisect(peak: Callable[[int], int], budget: int, lo: int, hi: int) -> int:
     return lo
 
 
-def _validate(
-    model: Any,
-    batch: Any,
-    loss_fn: Any,
-    optimizer: Any,
-    precision: str,
-    steps: int,
-    target: str,
-    gpu: str | None,
-) -> None:
+@dataclass(frozen=True)
+class _Settings:
+    """The options of one dry run, checked: the GPU resolved, ``None`` for the CPU."""
+
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None
+    optimizer: Callable[..., Optimizer] | None
+    precision: str
+    steps: int
+    gpu: CudaTarget | None
+
+
+def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
+    """Every argument of a dry run checked once, before anything runs, each error naming its argument."""
+    unknown = [name for name in options if name not in DEFAULTS]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}: the options are {list(DEFAULTS)}")
+    given: PredictOptions = {**DEFAULTS, **options}
     if not isinstance(model, nn.Module) and not callable(model):
         raise ValueError(f"model must be an nn.Module or a callable that builds one, got {type(model).__name__}")
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    precision = check_precision(given["precision"])
+    steps = given["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if not isinstance(target, str) or target not in TARGETS:
-        raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
-    if gpu is not None and target != "cuda":
-        raise ValueError(f"gpu names a CUDA architecture and needs target='cuda', got target={target!r}")
-    if target == "cuda":
-        resolve_gpu(gpu)
+    gpu = _gpu_target(given["target"], given["gpu"])
+    loss_fn, optimizer = given["loss_fn"], given["optimizer"]
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable loss_fn(model, batch) -> loss, got {loss_fn!r}")
     if optimizer is not None and not callable(optimizer):
         raise ValueError(f"optimizer must be a callable that takes the parameters, got {optimizer!r}")
     if batch is None:
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
+    return _Settings(loss_fn, optimizer, precision, steps, gpu)
+
+
+def _gpu_target(target: Any, gpu: Any) -> CudaTarget | None:
+    """The GPU that ``target`` names (``None`` for the CPU), or the deprecated ``gpu`` with ``target="cuda"``."""
+    if gpu is None:
+        return resolve_target(target)
+    plain_cuda = isinstance(target, str) and target.strip().lower() == "cuda"
+    if not plain_cuda:
+        resolve_target(target)  # a bad target is named first
+        raise ValueError(
+            f"gpu (deprecated) names a CUDA architecture and needs target='cuda', got target={brief(target)};"
+            f" name the GPU in target alone, e.g. target={brief(gpu)}"
+        )
+    found = resolve_gpu(gpu)
+    warnings.warn(
+        f"gpu= is deprecated and will be removed in the next release: write target={gpu!r} instead of"
+        f" target='cuda', gpu={gpu!r}",
+        DeprecationWarning,
+        stacklevel=_outside_level(),
+    )
+    return found
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` that points a warning, given by this function's caller, at the first line outside here."""
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the caller, level 1
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _is_lightning(module: nn.Module) -> bool:
     return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
-
-
-def _without_host_state(report: StepReport, optimizers: list[Optimizer]) -> StepReport:
-    """Take host-side optimizer state (the ``step`` counters) out of the device's tenants and fixed cost."""
-    host = host_state_bytes(optimizers)
-    if not host:
-        return report
-
-    def phase(p: PhaseReport) -> PhaseReport:
-        if p.tenants_bytes["optimizer_state"] < host:
-            return p
-        tenants = {**p.tenants_bytes, "optimizer_state": p.tenants_bytes["optimizer_state"] - host}
-        return dataclasses.replace(p, tenants_bytes=tenants)
-
-    micro = [{name: phase(p) for name, p in batch.items()} for batch in report.micro_batches]
-    phases = {name: phase(p) for name, p in report.phases.items()}
-    tenants = dict(report.tenants_bytes)
-    tenants["optimizer_state"] = max(p.tenants_bytes["optimizer_state"] for mb in micro for p in mb.values())
-    return dataclasses.replace(
-        report,
-        phases=phases,
-        micro_batches=micro,
-        tenants_bytes=tenants,
-        expected_fixed_bytes=report.expected_fixed_bytes - host,
-        measured_fixed_bytes=report.measured_fixed_bytes - host,
-    )
 
 
 def _loss_of(out: Any, who: str) -> Tensor:

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_memtenants._private import FakeTensorMode, ShapeEnv
-from lightning_memtenants.checks import brief
+from lightning_memtenants.checks import brief, one_of
 from lightning_memtenants.core.storage import batch_tensors
 
 ModelArg = nn.Module | Callable[[], nn.Module]
@@ -35,6 +35,25 @@ PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
 }
 
 
+def check_precision(precision: str, name: str = "precision") -> str:
+    """``precision`` as one of Lightning's precision names that a prediction knows, checked here only.
+
+    Every entry point that takes a precision (``dry_run``, ``activation_check``) calls this, so the
+    accepted names and the message are the same everywhere.
+
+    Args:
+        precision: a Lightning precision name, e.g. ``"32-true"`` or ``"bf16-mixed"``.
+        name: the argument it came from, for the error message.
+
+    Returns:
+        ``precision``, a key of :data:`PRECISIONS`.
+
+    Raises:
+        ValueError: naming ``name`` and the precisions accepted.
+    """
+    return one_of(precision, sorted(PRECISIONS), name)
+
+
 @contextlib.contextmanager
 def fake_session() -> Iterator[Any]:
     """A fake-tensor mode for the user's code, quiet about what only a run without a Trainer would say.
@@ -42,6 +61,9 @@ def fake_session() -> Iterator[Any]:
     Lightning warns that ``self.log`` has no Trainer; torch logs a traceback at ERROR level for an operator
     whose shapes do not fit (the error itself still reaches the caller) and warns about data pointers of
     fake tensors. None of that is the user's business in a prediction.
+
+    Yields:
+        The ``FakeTensorMode``, active for the block, with a shape environment.
     """
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
@@ -59,7 +81,21 @@ def fake_session() -> Iterator[Any]:
 
 
 def fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied."""
+    """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied.
+
+    The user's model is never touched: a prediction steps its copy, which costs no memory.
+
+    Args:
+        model: the module to copy, or a zero-argument callable that builds one (under the fake mode).
+        mode: the active ``FakeTensorMode`` (from :func:`fake_session`).
+        dtype: the true-precision parameter dtype to cast floating tensors to, or ``None``.
+
+    Returns:
+        The fake copy; a Trainer or Fabric attached to ``model`` is not copied.
+
+    Raises:
+        ValueError: if the callable builds something other than an ``nn.Module``.
+    """
     if not isinstance(model, nn.Module):
         built = model()
         if not isinstance(built, nn.Module):
@@ -90,19 +126,32 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
     done: dict[int, Tensor] = {}
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in done:
-                    cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
-                    if isinstance(tensor, nn.Parameter):
-                        cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
-                    done[id(tensor)] = cast
-                table[name] = done[id(tensor)]
+        own = [*sub.named_parameters(recurse=False, remove_duplicate=False)]
+        own += sub.named_buffers(recurse=False, remove_duplicate=False)
+        for name, tensor in own:
+            if id(tensor) not in done:
+                cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
+                if isinstance(tensor, nn.Parameter):
+                    cast = nn.Parameter(cast, requires_grad=tensor.requires_grad)
+                done[id(tensor)] = cast
+            setattr(sub, name, done[id(tensor)])  # a buffer stays a buffer, persistent or not
 
 
 def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
+    """The batch as fake tensors: shapes become empty tensors, tensors fake copies, a callable is called.
+
+    Args:
+        batch: tensors (real or meta), ``torch.Size`` shapes, any nesting of them, or a callable
+            building the batch (given ``module`` if it takes one argument).
+        module: the fake model, for a batch callable of one argument.
+        dtype: the true-precision parameter dtype, to which floating inputs are cast as Lightning does.
+
+    Returns:
+        The batch with every tensor fake.
+
+    Raises:
+        ValueError: if a shape has a negative size, or the batch holds no tensor.
+    """
     given = batch
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
         batch = batch(module) if _arity(batch) == 1 else batch()
@@ -143,7 +192,16 @@ def _arity(make: Callable[..., Any]) -> int:
 def forward_context(
     param_dtype: torch.dtype | None, autocast_dtype: torch.dtype | None, *, cache: bool = True
 ) -> Callable[[], Any]:
-    """The forward's precision context; Lightning's mixed-precision plugin runs autocast without its cache."""
+    """The forward's precision context; Lightning's mixed-precision plugin runs autocast without its cache.
+
+    Args:
+        param_dtype: the true-precision dtype, made the default dtype during the forward, or ``None``.
+        autocast_dtype: the mixed-precision dtype to autocast to, or ``None``.
+        cache: whether autocast keeps its cache of cast weights (a plain loop's does; Lightning's does not).
+
+    Returns:
+        A callable that opens the context, once per forward.
+    """
 
     @contextlib.contextmanager
     def context() -> Iterator[None]:
@@ -164,6 +222,10 @@ def forward_context(
 
 
 def eager() -> Any:
-    """Run compiled code as plain PyTorch: Dynamo cannot compile for fake tensors the step did not make."""
+    """Run compiled code as plain PyTorch: Dynamo cannot compile for fake tensors the step did not make.
+
+    Returns:
+        ``torch.compiler.set_stance("force_eager")``, or a context that does nothing on a torch without it.
+    """
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()

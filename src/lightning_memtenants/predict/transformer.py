@@ -19,7 +19,14 @@ from torch import Tensor, nn
 from lightning_memtenants._private import TorchDispatchMode
 from lightning_memtenants.core.census import is_param_cast
 from lightning_memtenants.core.storage import batch_tensors, storage_key
-from lightning_memtenants.predict.fake import PRECISIONS, fake_batch, fake_module, fake_session, forward_context
+from lightning_memtenants.predict.fake import (
+    PRECISIONS,
+    check_precision,
+    fake_batch,
+    fake_module,
+    fake_session,
+    forward_context,
+)
 from lightning_memtenants.units import MiB
 
 _FUSED_ATTENTION = (
@@ -33,13 +40,33 @@ _HEAD_NAMES = ("n_head", "num_heads", "num_attention_heads", "nhead")
 
 
 def korthikanti_bytes(seq_len: int, batch_size: int, hidden: int, heads: int) -> int:
-    """Activation bytes of one transformer layer: ``s*b*h*34 + 5*a*s*s*b`` (16-bit, with dropout)."""
+    """Activation bytes of one transformer layer: ``s*b*h*34 + 5*a*s*s*b`` (16-bit, with dropout).
+
+    The count of Korthikanti et al. (2022), the figure people plan with; :func:`activation_check`
+    sets a model's measured layers beside it.
+
+    Args:
+        seq_len: the sequence length ``s``.
+        batch_size: the batch size ``b``.
+        hidden: the hidden size ``h``.
+        heads: the number of attention heads ``a``.
+
+    Returns:
+        The formula's bytes for one layer.
+    """
     return 34 * seq_len * batch_size * hidden + 5 * heads * seq_len * seq_len * batch_size
 
 
 @dataclass(frozen=True)
 class Term:
-    """One term of the formula beside the bytes a layer saved for it, and why they differ."""
+    """One term of the formula beside the bytes a layer saved for it, and why they differ.
+
+    Args:
+        name: the term ("hidden activations", "dropout masks", "attention scores"...).
+        formula_bytes: what the formula counts for it, per layer.
+        measured_bytes: what the mean layer saved for it.
+        detail: the reason for the difference, in words.
+    """
 
     name: str
     formula_bytes: int
@@ -60,7 +87,17 @@ class ActivationCheck:
     """Per-layer activations beside the formula, term by term.
 
     Each saved tensor of a layer is sorted into the formula's terms by its shape and by the
-    operator that made it (dropout masks), so the terms' measured bytes add up to the layer's.
+    operator that made it (dropout masks), so the terms' measured bytes add up to the layer's,
+    and every difference from the formula has its bytes and its reason.
+
+    Args:
+        per_layer_bytes: bytes each layer saved for backward, in order.
+        formula_bytes: :func:`korthikanti_bytes` for the measured shape.
+        seq_len: ``s``, read from the batch.
+        batch_size: ``b``, read from the batch.
+        hidden: ``h``.
+        heads: ``a``.
+        terms: the formula's terms beside the mean layer's bytes for each.
     """
 
     per_layer_bytes: list[int]
@@ -73,6 +110,7 @@ class ActivationCheck:
 
     @property
     def mean_layer_bytes(self) -> float:
+        """The mean of ``per_layer_bytes``."""
         return sum(self.per_layer_bytes) / max(len(self.per_layer_bytes), 1)
 
     @property
@@ -86,6 +124,7 @@ class ActivationCheck:
         return sum(t.measured_bytes for t in self.terms if t.name != "other")
 
     def summary(self) -> str:
+        """The check as a table: the totals and ratio, then a line per term with its reason."""
         lines = [
             f"activations per layer: measured {self.mean_layer_bytes / MiB:.2f} MiB, Korthikanti et al."
             f" s*b*h*(34 + 5*a*s/h) = {self.formula_bytes / MiB:.2f} MiB"
@@ -127,13 +166,28 @@ def activation_check(
 ) -> ActivationCheck:
     """Measure the activations each transformer layer saves for backward, under fake tensors.
 
-    ``layers`` defaults to the longest ``nn.ModuleList`` in the model (its blocks), ``hidden``
-    and ``heads`` to the usual attribute names (``n_embd``/``hidden_size``, ``n_head``/``num_heads``),
-    and ``s``, ``b`` to the shape of the batch's first tensor.
+    A layer's real activations differ from the published formula for known reasons (fused
+    attention, fp32, no dropout); measuring each saved tensor tells which, at no memory cost.
+
+    Args:
+        model: the model, or a zero-argument callable building it (built under fake tensors).
+        batch: as for :func:`~lightning_memtenants.predict.dryrun.predict`: tensors, shapes or a callable.
+        precision: a Lightning precision name (see :data:`~lightning_memtenants.predict.fake.PRECISIONS`).
+        loss_fn: ``loss_fn(model, batch)`` to run instead of ``training_step`` or the forward.
+        layers: the layers to measure; by default the longest ``nn.ModuleList`` in the model (its blocks).
+        hidden: the hidden size; by default read from the usual attribute names (``n_embd``, ``hidden_size``...).
+        heads: the number of heads; by default read from ``n_head``, ``num_heads``...
+
+    ``s`` and ``b`` are the shape of the batch's first tensor.
+
+    Returns:
+        The per-layer bytes beside the formula, term by term.
+
+    Raises:
+        ValueError: if ``precision`` is not known, the model has no list of layers, or ``hidden``
+            and ``heads`` can be neither read nor were given.
     """
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    param_dtype, autocast_dtype = PRECISIONS[precision]
+    param_dtype, autocast_dtype = PRECISIONS[check_precision(precision)]
     with fake_session() as mode:
         fake = fake_module(model, mode, param_dtype)
         fake.train()
