@@ -1,4 +1,4 @@
-"""The article's GPU table (RTX A6000, torch 2.5.1), predicted on a CPU with ``predict(..., target="cuda")``.
+"""The article's GPU table (RTX A6000, torch 2.5.1), predicted on a CPU with ``predict(..., target="A6000")``.
 
 The article's loop: the seed model, batch 2048, ``loss = model(x).pow(2).mean()``, Adam with
 defaults, one step. ``before_backward`` is "after forward", ``after_backward`` "after
@@ -29,7 +29,7 @@ def article_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def predicted_rows(gpu: str = "A6000") -> tuple[dict[str, float], StepReport]:
     """Our five rows in MiB, with the report they come from."""
     report = predict(
-        seed_model(), torch.Size([2048, 1024]), loss_fn=article_loss, optimizer=torch.optim.Adam, target="cuda", gpu=gpu
+        seed_model(), torch.Size([2048, 1024]), loss_fn=article_loss, optimizer=torch.optim.Adam, target=gpu
     )
     phases = report.phases
     rows = {
