@@ -83,7 +83,7 @@ def test_seed_prediction_values() -> None:
 def test_article_plain_loop_peak() -> None:
     """The article's loop at batch 2048: a real CPU run of it peaks at 545,423,388 bytes with x resident."""
     report = predict(seed_model(), torch.Size([2048, 1024]), loss_fn=article_loss, optimizer=torch.optim.Adam)
-    # the real run's tracker counted x, the model and the loop's scalars; the prediction holds the same tensors
+    # the real run held x, the model and the loop's scalars (its peak is also the profiler's); the prediction holds them
     assert report.peak_bytes == 545_423_388
     assert report.phases["batch_end"].tenants_bytes["optimizer_state"] == 2 * SEED_WEIGHTS + 24
 
