@@ -101,15 +101,16 @@ def cast_source(tensor: Tensor) -> Any:
 
 
 def compiled_in_place(module: Any) -> bool:
-    """Whether ``Module.compile()`` compiled this module in place (its compiled call is in ``_compiled_call_impl``).
+    """Whether ``torch.compile`` wrapped this module (an ``OptimizedModule``, whose class lives in a private module),
+    or ``Module.compile()`` compiled it in place (its compiled call is in ``_compiled_call_impl``).
 
     Args:
         module: any object; one that is not a module is never compiled.
 
     Returns:
-        True where the module holds a compiled call.
+        True where the module is or holds a compiled call.
     """
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def default_foreach(params: list[Tensor]) -> bool:

@@ -459,12 +459,7 @@ class TenantMonitor:
 def holds_compiled_code(module: nn.Module) -> bool:
     """Whether ``module`` holds ``torch.compile``'d parts: an ``OptimizedModule``, ``Module.compile()``,
     or Lightning's record of a compiled LightningModule (``_compiler_ctx``)."""
-    for sub in module.modules():
-        if type(sub).__name__ == "OptimizedModule" or compiled_by_lightning(sub):
-            return True
-        if compiled_in_place(sub):
-            return True
-    return False
+    return any(compiled_in_place(sub) or compiled_by_lightning(sub) for sub in module.modules())
 
 
 def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
