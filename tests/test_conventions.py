@@ -154,3 +154,30 @@ def test_a_meta_tracker_counts_meta_parameters_like_meta_tensors() -> None:
         assert tracker.current_bytes == 4000 + 2000
     finally:
         tracker.stop()
+
+
+def test_the_public_api_imports_and_the_calculators_are_in_it() -> None:
+    import lightning_memtenants as package
+
+    assert [name for name in package.__all__ if not hasattr(package, name)] == []
+    # ZeRO, FSDP and DeepSpeed figures for 1,000 fp32 Adam parameters over 4 ranks
+    assert package.fsdp_fixed_cost_bytes(1000, 4) == 16 * 1000 // 4
+    assert package.deepspeed_zero_bytes(3, 1000, 4) == 16 * 1000 // 4
+    assert package.deepspeed_estimator_bytes(2, 1000, 4) == 4 * 1000 + 16 * 1000 // 4
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        package.deepspeed_estimator_bytes(2, 1000, 0)
+
+
+def test_notes_are_carried_once_and_a_skipped_step_leaves_no_trace() -> None:
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TenantMonitor(model, [optimizer], source=None)
+    monitor.add_note("a note about this run")
+    monitor.add_note("a note about this run")
+    monitor.phase("batch_start", batch=torch.randn(2, 4))
+    assert monitor.pending_micro_batches == 1
+    monitor.skip_step()
+    assert monitor.pending_micro_batches == 0
+    report, _ = plain_step(monitor, model, optimizer, torch.randn(2, 4))
+    assert report.notes.count("a note about this run") == 1
+    assert len(report.micro_batches) == 1 and report.step == 0  # the skipped step was not counted
