@@ -32,7 +32,7 @@ from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.sources import MemorySource, Reading, source_for
 from lightning_memtenants.core.storage import batch_tensors, local_optimizer, optimizer_state_tensors
-from lightning_memtenants.names import PARTS, PHASES, TENANTS, Part, Phase, Tenant
+from lightning_memtenants.names import PARTS, PHASES, TENANTS, Measurement, Part, Phase, Tenant
 
 
 class TenantMonitor:
@@ -153,7 +153,7 @@ class TenantMonitor:
         if note not in self._notes:
             self._notes.append(str(note))
 
-    def measures(self, part: str) -> bool:
+    def measures(self, part: Measurement | Part) -> bool:
         """Whether ``part`` (``"activations"``, ``"memory source"``, a named part) is still measured."""
         return part not in self._guard.disabled
 

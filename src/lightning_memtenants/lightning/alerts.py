@@ -15,6 +15,8 @@ from lightning_memtenants.core.storage import batch_tensors
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.units import MiB
 
+# The two parts this component runs under its guard; each is disabled on its own.
+FORECAST, LEAKS = "the forecast", "leak detection"
 # (elements, bytes, samples) of a batch: the forecast's measure of its size
 BatchSize = tuple[int, int, int]
 
@@ -61,7 +63,7 @@ class Alerts:
             batch: what the dataloader gave.
             batch_idx: its index, named in the warning.
         """
-        sized = self.guard.run("the forecast", batch_size, batch)
+        sized = self.guard.run(FORECAST, batch_size, batch)
         self._batch = sized or (0, 0, 0)
         elements, _, samples = self._batch
         forecast = self.forecast
@@ -85,7 +87,7 @@ class Alerts:
         """
         if self.budget is None:
             return
-        projected = self.guard.run("the forecast", self._project_backward, monitor)
+        projected = self.guard.run(FORECAST, self._project_backward, monitor)
         if projected is not None:
             self._check(
                 "backward",
@@ -105,7 +107,7 @@ class Alerts:
         """
         if self.budget is None or monitor.steps_done:
             return
-        projected = self.guard.run("the forecast", _project_first_step, monitor)
+        projected = self.guard.run(FORECAST, _project_first_step, monitor)
         if projected is not None:
             total, state, temporaries = projected
             self._check(
@@ -126,10 +128,10 @@ class Alerts:
         if report.peak_bytes is None:
             return
         elements, nbytes, samples = self._batch
-        self.guard.run("the forecast", self.forecast.observe, report, elements, nbytes, samples)
+        self.guard.run(FORECAST, self.forecast.observe, report, elements, nbytes, samples)
         start = report.micro_batches[0].get("batch_start")
         if start is not None and start.allocated_bytes is not None:
-            leak = self.guard.run("leak detection", self.leaks.observe, report.step, start)
+            leak = self.guard.run(LEAKS, self.leaks.observe, report.step, start)
             if leak and "leak" not in self._warned:
                 self._warned.add("leak")
                 self._warn(leak)
