@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint gpu-check bench screenshots clean
+.PHONY: demo test test-fast lint gpu-check bench screenshots clean
 
 # constraints.txt pins torch to the CPU wheel on this disk, so that no dependency pulls another torch.
 $(STAMP): pyproject.toml Makefile constraints.txt
@@ -22,6 +22,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The tests not marked slow (no subprocess runs, DDP, torch.compile or long fits): a quick check while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The prepared CUDA check (cuda-marked tests, the article's loop, the seed model in a Trainer).
 # It runs on the GPU machine's own python3, which holds a CUDA torch and lightning: nothing is installed.

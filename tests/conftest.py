@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import gc
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +23,50 @@ SEED_SAVED_PER_SAMPLE = (4096 + 4096 + 1024) * 4  # relu1, relu2 outputs and the
 CLOSURE_DIVISOR = 8
 
 
+@pytest.fixture(autouse=True)
+def _each_test_leaves_the_process_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Keep tests independent of their order: what one test leaves behind is undone, and the test fails for it.
+
+    ``L.seed_everything`` sets ``PL_GLOBAL_SEED``, which Lightning's DDP setup reads to reseed later fits: it
+    stays inside the test that set it. A dispatch mode, a saved-tensor hook or the ``resize_`` patch left by a
+    test that failed half-way would change what every later test measures; the default dtype, the thread
+    count, garbage collection and the working directory are put back too.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    dtype, threads, cwd = torch.get_default_dtype(), torch.get_num_threads(), os.getcwd()
+    yield
+    left = []
+    for _ in range(16):
+        mode = _get_current_dispatch_mode()
+        if mode is None:
+            break
+        left.append(f"dispatch mode {type(mode).__name__}")
+        mode.__exit__(None, None, None)
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        left.append("saved-tensor hooks")
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    if "resize_" in torch.UntypedStorage.__dict__:
+        left.append("UntypedStorage.resize_ patch")
+        del torch.UntypedStorage.resize_
+    if torch.get_default_dtype() != dtype:
+        left.append(f"default dtype {torch.get_default_dtype()}")
+        torch.set_default_dtype(dtype)
+    if torch.get_num_threads() != threads:
+        left.append(f"{torch.get_num_threads()} threads")
+        torch.set_num_threads(threads)
+    if not gc.isenabled():
+        left.append("garbage collection disabled")
+        gc.enable()
+    if os.getcwd() != cwd:
+        left.append(f"working directory {os.getcwd()}")
+        os.chdir(cwd)
+    if left:
+        pytest.fail(f"the test left {', '.join(left)} behind (undone for the tests after it)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
@@ -26,8 +75,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
-
-from typing import Any  # noqa: E402
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
@@ -75,6 +122,20 @@ def nothing_registered() -> bool:
 
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is None and _get_current_dispatch_mode() is None and "resize_" not in torch.UntypedStorage.__dict__
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """No garbage collection inside: the CPU tracker counts every live CPU tensor, and garbage that earlier tests
+    left in reference cycles, freed by a collection in the middle of a measured step, would lower the readings
+    after it (and could move the step's peak to an earlier phase)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def fail_in_backward(tensor: torch.Tensor, error: BaseException) -> torch.Tensor:

@@ -70,6 +70,7 @@ def test_no_warning_when_the_budget_is_ample() -> None:
     assert not [w for w in caught if "memtenants" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_forecast_from_batch_64_predicts_batch_256_within_3_percent() -> None:
     script = Path(__file__).resolve().parent / "forecast_check.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
@@ -146,9 +147,10 @@ def test_real_oom_on_a_simulated_small_device(tmp_path) -> None:
     with pytest.raises(torch.OutOfMemoryError, match="simulated device"):
         make_trainer([cb], steps=1).fit(Wide(), wide_loader(batch_size=4096))
     record = json.loads((tmp_path / "memtenants_oom.json").read_text())
-    # at batch 4096 the first layer's 8 MiB output is the allocation that fails: a forward temporary
+    # at batch 4096 the first layer's 8 MiB output fits; the ReLU's output of the same size is the allocation
+    # that fails (made, then refused): beside the 128 KiB batch, forward temporaries are "other"
     assert record["phase"] == "forward" and record["fattest_tenant"] == "other"
-    assert record["other_at_failure_bytes"] >= 8 * MiB
+    assert record["other_at_failure_bytes"] == 4096 * 8 * 4 + 2 * 4096 * 512 * 4
     assert record["fixes"][0]["action"].startswith("halve the batch size")
 
 
@@ -174,6 +176,7 @@ def test_leak_is_flagged_within_20_steps() -> None:
     assert "mostly in other" in leaks[0] and "loss.detach()" in leaks[0]
 
 
+@pytest.mark.slow
 def test_healthy_seed_model_over_50_steps_has_no_leak_warning() -> None:
     cb = MemoryTenantsCallback(print_summary=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -249,10 +252,17 @@ def test_optimizer_step_oom_does_not_blame_the_batch(tmp_path) -> None:
     with pytest.raises(torch.OutOfMemoryError):
         make_trainer([cb], steps=3).fit(Wide("optimizer_step", 1), wide_loader())
     record = json.loads((tmp_path / "memtenants_oom.json").read_text())
-    assert record["phase"] == "optimizer_step" and record["other_at_failure_bytes"] is not None
-    actions = [fix["action"] for fix in record["fixes"]]
-    assert not any(action.startswith("halve the batch size") for action in actions)
-    assert actions[0].startswith("SGD without momentum") or actions[0].startswith("shard the optimizer state")
+    # other: the batch of 1024 x 8 fp32 numbers, and Lightning's closure loss and its detached copy
+    assert record["phase"] == "optimizer_step" and record["other_at_failure_bytes"] == 1024 * 8 * 4 + 8
+    state = 8 * (8 * 512 + 512 + 512 * 512 + 512 + 512 + 1) + 6 * 4  # Adam's moments and a step per tensor
+    assert record["tenants_at_failure_bytes"]["optimizer_state"] == state
+    # no fix that halves the batch: the one fix is sharding the state, which saves half of it on 2 devices
+    assert record["fixes"] == [
+        {
+            "action": "shard the optimizer state with ZeRO or FSDP across 2 devices: saves (N-1)/N of it",
+            "saves_bytes": state // 2,
+        }
+    ]
 
 
 @pytest.mark.cuda

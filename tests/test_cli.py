@@ -35,6 +35,7 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Any:
     return run
 
 
+@pytest.mark.slow
 def test_predict_prints_the_desk_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     init = '{"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "block_size": 64}'
@@ -55,6 +56,7 @@ def test_predict_prints_the_desk_and_writes_json(tmp_path: Path) -> None:
     assert document["report"]["peak_bytes"] <= 64 * 2**20
 
 
+@pytest.mark.slow
 def test_console_script_is_the_same_entry_point() -> None:
     script = Path(sys.executable).with_name("memtenants")
     run = subprocess.run([str(script), "predict", "--help"], capture_output=True, text=True, timeout=60)
@@ -86,6 +88,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, cli: Any) -> None:
         assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_an_import_error_shows_the_users_code_not_ours(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import torch\n\n\nraise ImportError('no module named flash_attn_9')\n")
@@ -96,6 +99,7 @@ def test_an_import_error_shows_the_users_code_not_ours(tmp_path: Path) -> None:
     assert "cli.py" not in run.stderr
 
 
+@pytest.mark.slow
 def test_predict_for_a_gpu(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     init = '{"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 256, "block_size": 64}'

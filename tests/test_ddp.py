@@ -21,7 +21,10 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
 P = 32 * 64 + 64 + 64 * 16 + 16  # 3,152 parameters in 4 tensors
 MiB = 2**20
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.slow,  # every test launches two processes
+]
 
 
 def launch(mode: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
@@ -73,12 +76,11 @@ def test_zero_redundancy_optimizer_state_is_sharded_and_exact(ranks: list[dict[s
     for result in ranks:
         assert result["zero"]["expected_fixed"] == result["zero"]["measured_fixed"]
         assert result["zero"]["fixed_notes"] == []
-    # ZeRO shards whole tensors by size: rank 0 holds the 64 x 32 weight, rank 1 the other three tensors
+    # ZeRO shards whole tensors by size: rank 0 holds the 64 x 32 weight, rank 1 the other three tensors;
+    # together one full copy of Adam's state (8P + a step per tensor), about 8P/N each
     assert states == [8 * 2048 + 4, 8 * (64 + 1024 + 16) + 3 * 4]
     params = list(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16)).parameters())
     assert states == zero_state_bytes([params], 2, StateSpec(("exp_avg", "exp_avg_sq"), ("step",)))
-    assert sum(states) == 8 * P + 4 * 4  # together, one full copy of Adam's state: about 8P/N each
-    assert abs(states[0] - 8 * P / 2) / (8 * P / 2) < 0.35
 
 
 def test_rank_zero_logs_every_rank_and_the_cross_rank_max_and_min(ranks: list[dict[str, Any]]) -> None:
@@ -92,7 +94,9 @@ def test_rank_zero_logs_every_rank_and_the_cross_rank_max_and_min(ranks: list[di
         assert f"memtenants/rank_{rank}/peak_MiB" in metrics
     assert metrics["memtenants/ranks_max/activations_MiB"] * MiB == pytest.approx(max(activations))
     assert metrics["memtenants/ranks_min/activations_MiB"] * MiB == pytest.approx(min(activations))
-    assert metrics["memtenants/ranks_max/weights_MiB"] == metrics["memtenants/ranks_min/weights_MiB"]
+    # DDP replicates the weights: the same on both ranks
+    weights = [metrics[f"memtenants/ranks_{kind}/weights_MiB"] * MiB for kind in ("max", "min")]
+    assert weights == [4 * P, 4 * P]
 
 
 def test_a_failing_measurement_on_one_rank_does_not_hang_the_others(tmp_path: Path) -> None:

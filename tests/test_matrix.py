@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import make_trainer
+from conftest import make_trainer, no_collection
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -60,6 +60,20 @@ OPTIMIZERS: dict[str, tuple[Any, int, int]] = {
     "nadam-foreach": (lambda ps: torch.optim.NAdam(ps, lr=1e-3, foreach=True), 2, 2),
     "lion-unknown": (lambda ps: Lion(ps), 1, 0),
 }
+# the class and implementation the peak explanation names for each optimizer (ZeRO wraps a single-tensor Adam)
+NAMED = {
+    "adam": "Adam (single-tensor)",
+    "adamw-amsgrad": "AdamW (single-tensor)",
+    "sgd-nesterov": "SGD (single-tensor)",
+    "rmsprop-centered-momentum": "RMSprop (single-tensor)",
+    "adagrad": "Adagrad (single-tensor)",
+    "adafactor": "Adafactor (single-tensor)",
+    "nadam-foreach": "NAdam (foreach)",
+    "lion-unknown": "Lion (single-tensor)",
+    "zero-adam": "Adam (single-tensor)",
+}
+# optimizers whose step makes two temporaries the size of the largest weight (the others make about one)
+TWO_TEMPORARIES = {"adam", "adamw-amsgrad", "nadam-foreach", "zero-adam"}
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "16-mixed+scaler")
 SHAPES = list(product((1, 2), (False, True), ("auto", "ddp")))  # accumulation, manual, strategy
 ELEMENT = {"16-true": 2, "bf16-true": 2, "64-true": 8}
@@ -126,7 +140,8 @@ def fit(cell: tuple[str, str, int, bool, str], callbacks: list[L.Callback]) -> t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = make_trainer(callbacks, steps=2, **options)
-        trainer.fit(model, loader())
+        with no_collection():
+            trainer.fit(model, loader())
     return model, trainer
 
 
@@ -144,12 +159,6 @@ def quiet_and_clean() -> Any:
     # Lightning's DDP engine leaves its one-process group initialized: do not hand it to later tests
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def test_the_matrix_is_large_enough() -> None:
-    assert len(CELLS) >= 40
-    assert {c[2] for c in CELLS} == {1, 2} and {c[3] for c in CELLS} == {False, True}
-    assert {c[4] for c in CELLS} == {"auto", "ddp"} and set(PRECISIONS) <= {c[0] for c in CELLS}
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=["-".join(map(str, c)) for c in CELLS])
@@ -218,6 +227,20 @@ def test_cell(cell: tuple[str, str, int, bool, str]) -> None:
     else:
         assert "ddp_buckets" not in parts
 
+    # where the step peaks. Two temporaries of the largest weight put it in the optimizer step; one does too,
+    # unless gradients are accumulated: then the last micro-batch's backward makes each gradient beside the one
+    # accumulated so far, with activations still alive. A step whose loss is not finite under a GradScaler is
+    # skipped by the scaler (its gradients are not finite) and makes no temporaries at all.
+    skipped = precision == "16-mixed+scaler" and not all(torch.isfinite(x) for x in model.losses[-accumulate:])
+    in_backward = skipped or (optimizer not in TWO_TEMPORARIES and accumulate == 2)
+    if in_backward:
+        assert report.peak_phase == "after_backward"
+        assert report.peak_explanation.startswith("peak inside backward: gradients (")
+        assert report.peak_explanation.endswith(f"; the optimizer step ({NAMED[optimizer]}) stayed below it")
+    else:
+        assert report.peak_phase == "batch_end"
+        assert report.peak_explanation.startswith(f"peak inside the optimizer step: {NAMED[optimizer]} temporaries")
+
 
 class GAN(L.LightningModule):
     """Two optimizers, manual optimization: the generator and the discriminator step in turn."""
@@ -249,12 +272,17 @@ class GAN(L.LightningModule):
 
 def test_gan_with_two_optimizers() -> None:
     cb = MemoryTenantsCallback(print_summary=False)
-    make_trainer([cb], steps=4).fit(GAN(), loader())
+    with no_collection():
+        make_trainer([cb], steps=4).fit(GAN(), loader())
     report = cb.latest
     # Adam on the generator (8 bytes + a step per tensor), momentum SGD on the discriminator (4 bytes)
     assert report.phases["batch_end"].tenants_bytes["optimizer_state"] == 8 * 182 + 4 * 4 + 4 * 65
     assert report.fixed_deviation_bytes == 0 and report.fixed_cost_notes == []
-    assert "Adam (single-tensor), SGD (single-tensor)" in report.peak_explanation or report.peak_phase is None
+    # the last window of the step holds the generator's Adam step: two temporaries the size of its largest weight
+    assert report.peak_phase == "batch_end"
+    assert report.peak_explanation.startswith(
+        "peak inside the optimizer step: Adam (single-tensor), SGD (single-tensor) temporaries of"
+    )
 
 
 class Shapes(L.LightningModule):

@@ -3,6 +3,8 @@ autocast's half copies of weights, activation checkpointing, sharded strategies.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import SEED_P, SEED_WEIGHTS, plain_step
@@ -65,10 +67,10 @@ def test_adafactor_state_is_factored_not_proportional_to_p() -> None:
     (model(torch.randn(4, 30)).sum() + kernel.sum()).backward()
     optimizer.step()
     measured = take_census(model, [optimizer])
-    # weights: row (50) + column (30) factors; biases: a full-size variance; the kernel: 3 x (4 + 5); 5 steps
+    # weights: row (50) + column (30) factors; biases: a full-size variance; the kernel: 3 x (4 + 5); 5 steps:
+    # 864 bytes, where Adam's two moments of the model's 1,652 parameters alone would take 8 x 1,652
     state = (50 + 30) * 4 + 50 * 4 + (2 + 50) * 4 + 2 * 4 + 3 * (4 + 5) * 4 + 5 * 4
     assert measured["optimizer_state"] == expected_fixed_cost(model, [optimizer]).optimizer_state_bytes == state
-    assert state < 8 * (30 * 50 + 50 + 50 * 2 + 2)
     assert explain_fixed_cost(expected_fixed_cost(model, [optimizer]), measured, model, [optimizer]) == [
         "some optimizer parameters are not in the module and are not counted as weights"
     ]
@@ -90,6 +92,11 @@ FUSED = ("Adam", "AdamW", "Adagrad", "SGD")  # the optimizers torch 2.13 has fus
 
 
 NAMES = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta", "Adagrad", "RMSprop", "Adafactor", "SGD")
+# temporaries of torch's step: the single-tensor loop makes k tensors the size of one parameter at a time (k x the
+# largest), foreach makes k lists the size of all parameters (k x their total), fused none; momentum SGD none
+SINGLE_TENSOR_K = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 1, "Adadelta": 2, "Adagrad": 1}
+SINGLE_TENSOR_K |= {"RMSprop": 1, "Adafactor": 1, "SGD": 0}
+FOREACH_K = {name: 2 if name in ("Adadelta", "Adagrad") else 0 if name == "SGD" else 1 for name in NAMES}
 
 
 @pytest.mark.parametrize(
@@ -101,6 +108,7 @@ def test_step_temporaries_follow_the_implementation(name: str, implementation: s
     kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
     optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs, **IMPLEMENTATIONS[implementation])
     assert optimizer_implementation(optimizer) == implementation
+    gc.collect()  # the tracker scans every live CPU tensor: a collection during the step would lower its reading
     for _ in range(2):  # the second step: the state exists, what remains are the temporaries
         model(torch.randn(4, 64)).pow(2).mean().backward()
         roots = [*model.parameters(), *(p.grad for p in model.parameters())]
@@ -117,10 +125,12 @@ def test_step_temporaries_follow_the_implementation(name: str, implementation: s
         assert temporaries == expected
     else:  # the single-tensor loop: k x the largest parameter, and at most a bias-sized temporary next to it
         assert expected <= temporaries <= expected + 4096
-    if implementation == "foreach" and name != "SGD":
-        assert expected in (total, 2 * total)
-    elif implementation == "single-tensor" and name != "SGD":
-        assert expected in (largest, 2 * largest)
+    if implementation == "foreach":
+        assert expected == FOREACH_K[name] * total
+    elif implementation == "single-tensor":
+        assert expected == SINGLE_TENSOR_K[name] * largest
+    else:
+        assert expected == 0
 
 
 def test_default_implementation_is_torch_s_choice_on_cpu() -> None:
@@ -147,7 +157,8 @@ def test_peak_explanation_names_the_implementation(implementation: str) -> None:
         assert report.peak_phase == "batch_end"
         assert f"expects {total / 2**20:.2f} MiB" in report.peak_explanation
     else:
-        assert report.peak_phase != "batch_end"
+        # the fused kernel makes no temporaries: the peak is in backward, where gradients appear beside activations
+        assert report.peak_phase == "after_backward"
         assert report.peak_explanation.endswith("the optimizer step (Adam (fused)) stayed below it")
 
 
@@ -221,7 +232,11 @@ def test_activation_checkpointing_is_detected_without_recomputing() -> None:
                 " recompute the rest, so the activations tenant is smaller than the forward's"
             ]
         )
-    assert sizes["reentrant"] < sizes["none"] and sizes["non-reentrant"] < sizes["none"]
+    # 4 x 16 fp32 numbers (256 bytes) each: without checkpointing every block keeps its Tanh output and its
+    # output (the next block's or pow's input); the two checkpointed blocks keep only their inputs, and the last
+    # output stays for pow, so their Tanh outputs are not kept
+    out = 4 * 16 * 4
+    assert sizes == {"none": 6 * out, "reentrant": 4 * out, "non-reentrant": 4 * out}
 
 
 def test_zero_partition_follows_torch_s_greedy_rule() -> None:

@@ -44,6 +44,7 @@ def small_gpt() -> TinyGPT:
     ("kind", "batch_size"),
     [("seed", 8), ("seed", 64), ("gpt", 4), ("gpt", 8), ("seed@bf16-mixed", 8), ("gpt@bf16-mixed", 4)],
 )
+@pytest.mark.slow
 def test_prediction_equals_a_real_cpu_run_to_the_byte(real_runs: dict, kind: str, batch_size: int) -> None:
     real = real_runs[(kind, batch_size)]
     model, _, precision = kind.partition("@")
@@ -111,7 +112,7 @@ def test_the_callers_model_is_untouched() -> None:
     predict(model, (torch.Size([4, 1024]),), steps=2)
     assert model.losses == []
     for name, p in model.named_parameters():
-        assert id(p) is not None and id(p) == ids[name]
+        assert id(p) == ids[name]
         assert p.grad is None
         assert torch.equal(p, before[name])
         assert type(p) is nn.Parameter
@@ -199,6 +200,7 @@ def test_largest_batch_size_is_exact() -> None:
         largest_batch_size(SeedMLP(), seed_batch, -1)
 
 
+@pytest.mark.slow
 def test_a_model_too_big_to_build_is_built_fake() -> None:
     """7B-shaped: weights exact for the configuration (timing and RAM are in benchmarks/predict.py)."""
     h, layers, vocab, block = 4096, 32, 32000, 2048
