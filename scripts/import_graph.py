@@ -39,10 +39,23 @@ def _name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for annotations only, never run)."""
+    nodes, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        nodes.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def imports(source: str, known: set[str]) -> set[str]:
-    """The package's modules that ``source`` imports (top level and inside functions)."""
+    """The package's modules that ``source`` imports when it runs (top level and inside functions)."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _runtime_nodes(ast.parse(source)):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]

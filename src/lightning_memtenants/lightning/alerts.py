@@ -9,6 +9,7 @@ from lightning_memtenants.analysis.budget import Budget, MemoryBudgetError
 from lightning_memtenants.analysis.fixes import first_step_jump_bytes
 from lightning_memtenants.analysis.forecast import PeakForecast
 from lightning_memtenants.analysis.leaks import LeakDetector
+from lightning_memtenants.checks import brief
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.storage import batch_tensors
@@ -135,6 +136,31 @@ class Alerts:
             if leak and "leak" not in self._warned:
                 self._warned.add("leak")
                 self._warn(leak)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The forecast and the leak baseline, for a checkpoint."""
+        return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; nothing changes where it is refused.
+
+        Args:
+            state_dict: a dict returned by :meth:`state_dict`.
+
+        Raises:
+            ValueError: if ``state_dict`` or one of its parts is not such a dict.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(
+                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {brief(state_dict)}"
+            )
+        forecast, leaks = PeakForecast(), LeakDetector()
+        for name, part in (("forecast", forecast), ("leaks", leaks)):
+            value = state_dict.get(name, {})
+            if not isinstance(value, dict):
+                raise ValueError(f"state_dict[{name!r}] must be a dict, got {brief(value)}")
+            part.load_state_dict(value)
+        self.forecast, self.leaks = forecast, leaks
 
     def headroom_bytes(self, report: StepReport) -> int | None:
         """What the budget leaves above this step's peak, or None.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
@@ -15,8 +15,6 @@ from typing_extensions import override
 
 from lightning_memtenants._private import is_mock_optimizer
 from lightning_memtenants.analysis.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
-from lightning_memtenants.analysis.forecast import PeakForecast
-from lightning_memtenants.analysis.leaks import LeakDetector
 from lightning_memtenants.checks import brief, describe_error, flag, positive_int, positive_number
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
@@ -27,8 +25,11 @@ from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memo
 from lightning_memtenants.lightning.ranks import gather_or_warn
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import Phase
-from lightning_memtenants.render.table import format_table
 from lightning_memtenants.units import parse_bytes
+
+if TYPE_CHECKING:
+    from lightning_memtenants.analysis.forecast import PeakForecast
+    from lightning_memtenants.analysis.leaks import LeakDetector
 
 SOURCES = ("auto", "tracker", "none")
 # Under manual optimization a step that no optimizer ends is closed after this many batches.
@@ -249,7 +250,7 @@ class MemoryTenantsCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The forecast and the leak baseline, saved in checkpoints so that a resumed fit goes on from them."""
-        return {"forecast": self.forecast.state_dict(), "leaks": self.leaks.state_dict()}
+        return self._alerts.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -261,17 +262,7 @@ class MemoryTenantsCallback(Callback):
         Raises:
             ValueError: if ``state_dict`` is not a dict saved by ``state_dict()``; nothing changes then.
         """
-        if not isinstance(state_dict, dict):
-            raise ValueError(
-                f"state_dict must be a dict saved by MemoryTenantsCallback.state_dict(), got {brief(state_dict)}"
-            )
-        forecast, leaks = PeakForecast(), LeakDetector()
-        for name, part in (("forecast", forecast), ("leaks", leaks)):
-            value = state_dict.get(name, {})
-            if not isinstance(value, dict):
-                raise ValueError(f"state_dict[{name!r}] must be a dict, got {brief(value)}")
-            part.load_state_dict(value)
-        self._alerts.forecast, self._alerts.leaks = forecast, leaks
+        self._alerts.load_state_dict(state_dict)
 
     # -- the hooks -----------------------------------------------------------------------------------
 
@@ -423,10 +414,9 @@ class MemoryTenantsCallback(Callback):
         if latest is None:
             return
         reports = [latest] if self.first in (None, latest) else [self.first, latest]  # type: ignore[list-item]
-        self._logs.fit_end(trainer, reports, self.latest_measured or latest, self.budget)
-        if self.print_summary:
-            for report in reports:
-                rank_zero_info(format_table(report, self.budget))
+        self._logs.fit_end(
+            trainer, reports, self.latest_measured or latest, self.budget, print_summary=self.print_summary
+        )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

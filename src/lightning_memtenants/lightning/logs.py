@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_memtenants._private import batches_that_stepped
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.render.table import format_table
 from lightning_memtenants.render.tags import budget_metrics, metrics, rank_metrics
 from lightning_memtenants.render.tensorboard import TensorBoardPanels
 from lightning_memtenants.units import MiB
@@ -135,18 +136,28 @@ class Logs:
         self.guard.run("the progress bar", _show, pl_module, headroom_bytes)
 
     def fit_end(
-        self, trainer: pl.Trainer, reports: list[StepReport], desk: StepReport, budget_bytes: int | None
+        self,
+        trainer: pl.Trainer,
+        reports: list[StepReport],
+        desk: StepReport,
+        budget_bytes: int | None,
+        *,
+        print_summary: bool = True,
     ) -> None:
-        """The summary and the desk picture, at the end of fit.
+        """The summary and the desk picture, at the end of fit, and the tables printed.
 
         Args:
             trainer: the Trainer.
             reports: the steps to summarise (the first and the last).
             desk: the step to draw.
             budget_bytes: the budget, or None.
+            print_summary: also print each report's table (rank zero's notice).
         """
         if self.panels is not None:
             self.panels.on_fit_end(reports, batches_that_stepped(trainer), budget_bytes, desk)
+        if print_summary:
+            for report in reports:
+                self._info(format_table(report, budget_bytes))
 
     def postmortem(self, trainer: pl.Trainer, record: dict[str, Any], latest: StepReport | None) -> None:
         """The postmortem, as text in TensorBoard.
