@@ -86,14 +86,15 @@ class Logs:
             trainer: the Trainer.
 
         Returns:
-            True on the first step, on every ``every_n_steps``-th one (else the trainer's ``log_every_n_steps``),
-            and where the trainer is about to stop.
+            True on the first step and on every ``every_n_steps``-th one (else the trainer's ``log_every_n_steps``).
+            Lightning also logs where the trainer was told to stop; that flag can differ between ranks, and every
+            rank must gather on the same steps, so it is not followed here.
         """
         step = batches_that_stepped(trainer)
         if step == 0:
             return True
         every = self.every_n_steps or trainer.log_every_n_steps
-        return every > 0 and ((step + 1) % every == 0 or bool(trainer.should_stop))
+        return every > 0 and (step + 1) % every == 0
 
     def log(
         self,
