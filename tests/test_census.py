@@ -102,3 +102,4 @@ def test_a_graph_that_cannot_be_read_is_recorded_not_raised() -> None:
     tracker.observe(z)  # MulBackward0 saved y, whose storage cannot be read
     z.backward()
     assert isinstance(tracker.error, RuntimeError) and str(tracker.error) == "no storage here"
+    tracker.error = None  # its traceback's frames hold y (and the tracker): a cycle that would outlive the test

@@ -192,3 +192,24 @@ def test_a_user_mode_entered_above_ours_stays_and_the_stack_is_left_as_without_u
     user.__exit__(None, None, None)
     assert _get_current_dispatch_mode() is None and flags() == before
     tracker.stop()
+
+
+def test_a_live_tensor_whose_storage_cannot_be_read_is_left_out_not_fatal() -> None:
+    class Odd(torch.Tensor):
+        def untyped_storage(self):  # type: ignore[override]
+            raise RuntimeError("no storage here")
+
+    odd = torch.randn(3).as_subclass(Odd)
+    tracker = LiveTensorTracker()
+    try:
+        tracker.start()
+        assert tracker.unreadable == 1 and tracker.error is None
+        start = tracker.current_bytes
+        plain = torch.empty(250)
+        assert tracker.current_bytes == start + 1000
+        before = tracker.current_bytes
+        del plain
+        assert tracker.current_bytes == before - 1000  # the tracker goes on following the process's tensors
+    finally:
+        tracker.stop()
+    del odd

@@ -212,7 +212,11 @@ class mode_stack:
 
     @staticmethod
     def push(mode: Any) -> None:
-        """Put ``mode`` back on top of the stack (without entering it again)."""
+        """Put ``mode`` back on top of the stack (without entering it again).
+
+        Args:
+            mode: a dispatch mode taken off the stack by :meth:`pop`.
+        """
         from torch.utils._python_dispatch import _push_mode
 
         _push_mode(mode)

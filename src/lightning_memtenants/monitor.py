@@ -139,6 +139,10 @@ class TenantMonitor:
     def add_part(self, name: Part, read: Callable[[], int]) -> None:
         """Report ``read()`` bytes as the named part ``name`` at every phase (``names.PARTS``).
 
+        Args:
+            name: one of ``names.PARTS``.
+            read: a callable of no arguments that returns the part's bytes now.
+
         Raises:
             ValueError: if ``name`` is not one of ``names.PARTS`` or ``read`` is not callable.
         """
@@ -149,12 +153,23 @@ class TenantMonitor:
         self._parts[name] = read
 
     def add_note(self, note: str) -> None:
-        """A sentence about this run (its precision, its strategy) that every step's report carries."""
+        """A sentence about this run (its precision, its strategy) that every step's report carries.
+
+        Args:
+            note: the sentence; one already added is not added again.
+        """
         if note not in self._notes:
             self._notes.append(str(note))
 
     def measures(self, part: Measurement | Part) -> bool:
-        """Whether ``part`` (``"activations"``, ``"memory source"``, a named part) is still measured."""
+        """Whether ``part`` (``"activations"``, ``"memory source"``, a named part) is still measured.
+
+        Args:
+            part: a measurement or a named part.
+
+        Returns:
+            False once a failure has disabled it.
+        """
         return part not in self._guard.disabled
 
     @property
@@ -258,6 +273,9 @@ class TenantMonitor:
         ``phase("before_backward", output=loss)`` calls it; call it yourself for a second output
         whose graph is separate (an auxiliary loss backwarded on its own). Nothing is unpacked,
         so nothing is recomputed and the user's saved-tensor hooks are not called.
+
+        Args:
+            output: the loss or any output: a tensor, or a collection holding tensors.
         """
         if not self.measures("activations"):
             return
@@ -279,6 +297,9 @@ class TenantMonitor:
         Before ``before_backward`` there is no loss to read; the frames from the training step down to
         the operator that failed hold the forward's intermediate tensors, and their graphs hold what was
         saved so far. Only a postmortem does this.
+
+        Args:
+            error: the exception the step failed with.
         """
         outputs: list[Any] = []
         tb = error.__traceback__
@@ -458,12 +479,26 @@ class TenantMonitor:
 
 def holds_compiled_code(module: nn.Module) -> bool:
     """Whether ``module`` holds ``torch.compile``'d parts: an ``OptimizedModule``, ``Module.compile()``,
-    or Lightning's record of a compiled LightningModule (``_compiler_ctx``)."""
+    or Lightning's record of a compiled LightningModule (``_compiler_ctx``).
+
+    Args:
+        module: the model; every submodule is looked at.
+
+    Returns:
+        True where any part of it is compiled.
+    """
     return any(compiled_in_place(sub) or compiled_by_lightning(sub) for sub in module.modules())
 
 
 def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
-    """Each optimizer's class and the implementation its step runs: single-tensor, foreach or fused."""
+    """Each optimizer's class and the implementation its step runs: single-tensor, foreach or fused.
+
+    Args:
+        optimizers: the optimizers; a ZeroRedundancyOptimizer is named by its local one.
+
+    Returns:
+        A comma-separated list such as ``"AdamW (foreach)"``, or ``"no optimizer"``.
+    """
     names = [f"{type(local_optimizer(o)).__name__} ({optimizer_implementation(o)})" for o in optimizers]
     return ", ".join(names) or "no optimizer"
 

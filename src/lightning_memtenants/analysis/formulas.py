@@ -35,6 +35,14 @@ class StateSpec:
         Scalar counters take the dtype of the tensors already in ``state`` (an optimizer stepped
         inside a float64 default-dtype context makes float64 ``step`` counters), else the default's.
         The entries named in ``host`` live in host memory (a GPU run's ``step`` counters) and cost nothing.
+
+        Args:
+            param: the parameter (a DTensor counts its local shard).
+            state: the optimizer's state for this parameter, if it has any yet.
+            host: names of the state entries kept in host memory.
+
+        Returns:
+            The parameter's optimizer state in bytes.
         """
         scalars = sum(_scalar_size((state or {}).get(name)) for name in self.scalars if name not in host)
         param = local_tensor(param)
@@ -100,12 +108,27 @@ if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
 
 
 def optimizer_kind(optimizer: Optimizer) -> OptimizerKind | None:
-    """What is known of this optimizer's class (a ZeroRedundancyOptimizer's local one), or None."""
+    """What is known of this optimizer's class (a ZeroRedundancyOptimizer's local one), or None.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        The class's :class:`OptimizerKind`, or None for a class we do not know.
+    """
     return OPTIMIZERS.get(type(local_optimizer(optimizer)))
 
 
 def state_spec(optimizer: Optimizer, group: dict) -> StateSpec | None:
-    """The state layout of a known optimizer class, or None for one we do not know."""
+    """The state layout of a known optimizer class, or None for one we do not know.
+
+    Args:
+        optimizer: the optimizer (not a wrapper: its own class is looked up).
+        group: one of its parameter groups, whose hyperparameters decide the layout.
+
+    Returns:
+        The group's :class:`StateSpec`, or None.
+    """
     kind = OPTIMIZERS.get(type(optimizer))
     return None if kind is None else kind.spec(group)
 
@@ -160,6 +183,14 @@ def expected_fixed_cost(
     For fp32 Adam this is 16 bytes per trainable parameter plus 4 bytes of ``step`` per
     parameter tensor. ``host_state`` names the state entries each optimizer keeps on the host
     (as the census is told): they are left out, as they are of the measured tenant.
+
+    Args:
+        module: the model whose parameters and buffers are counted.
+        optimizers: the optimizers whose state is counted.
+        host_state: for each optimizer, the names of the state entries it keeps on the host.
+
+    Returns:
+        The expected :class:`FixedCost`, with the optimizers we do not know and the notes on tied and frozen weights.
     """
     params = _unique(module.parameters())
     buffers = _unique(module.buffers())
@@ -218,7 +249,17 @@ def explain_fixed_cost(
     module: nn.Module,
     optimizers: Sequence[Optimizer] = (),
 ) -> list[str]:
-    """One plain sentence for each way the census differs from the formula (and its notes)."""
+    """One plain sentence for each way the census differs from the formula (and its notes).
+
+    Args:
+        expected: the formula's figures, from :func:`expected_fixed_cost`.
+        measured: the census's bytes by tenant (``weights``, ``gradients`` and ``optimizer_state``).
+        module: the model, to find the parameters that have no gradient.
+        optimizers: the optimizers, to find parameters that are not in the module.
+
+    Returns:
+        The sentences, the formula's notes first; empty where census and formula agree.
+    """
     sentences = list(expected.notes)
     grads = measured["gradients"]
     state = measured["optimizer_state"]
@@ -262,6 +303,12 @@ def optimizer_implementation(optimizer: Optimizer) -> str:
 
     An explicit ``fused``/``foreach`` flag in the parameter group wins; when both are ``None`` the
     choice is torch's own default (``_default_to_fused_or_foreach``: foreach on CUDA, single-tensor on CPU).
+
+    Args:
+        optimizer: any optimizer; a ZeroRedundancyOptimizer's local one is read.
+
+    Returns:
+        ``"single-tensor"``, ``"foreach"`` or ``"fused"``.
     """
     optimizer = local_optimizer(optimizer)
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
@@ -276,7 +323,14 @@ def optimizer_implementation(optimizer: Optimizer) -> str:
 
 
 def step_temporaries_bytes(optimizer: Optimizer) -> int:
-    """The optimizer step's temporaries for the implementation that runs; 0 for an optimizer we do not know."""
+    """The optimizer step's temporaries for the implementation that runs; 0 for an optimizer we do not know.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        The bytes one step allocates and frees again (0 for ``fused`` or with no trainable parameters).
+    """
     kind = optimizer_kind(optimizer)
     implementation = optimizer_implementation(optimizer)
     if kind is None or implementation == "fused":
@@ -293,12 +347,29 @@ def grad_scaler_bytes(scaler: object) -> int:
 
     The per-optimizer ``found_inf`` flags exist from ``unscale_`` until ``update()``; an fp16 scaler thus
     holds 4 + 4 bytes between steps and 4 more per optimizer while it steps.
+
+    Args:
+        scaler: a ``torch.amp.GradScaler``.
+
+    Returns:
+        The bytes of the state tensors it holds now.
     """
     return sum(_nbytes(t) for t in scaler_tensors(scaler))
 
 
 def sharded_state_bytes(total_bytes: int, world_size: int) -> int:
-    """The even share of ``total_bytes`` on one of ``world_size`` ranks (ZeRO, FSDP): ceil(total / N)."""
+    """The even share of ``total_bytes`` on one of ``world_size`` ranks (ZeRO, FSDP): ceil(total / N).
+
+    Args:
+        total_bytes: the unsharded size in bytes.
+        world_size: the number of ranks.
+
+    Returns:
+        One rank's share in bytes, rounded up.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int of at least 1.
+    """
     check_world_size(world_size)
     return -(-total_bytes // world_size)
 
@@ -309,6 +380,16 @@ def zero_partition(param_groups: Sequence[Sequence[Tensor]], world_size: int) ->
     Within each group, largest first, every tensor goes to the rank with the fewest numbers so far
     (the first such rank on ties); sizes carry over from group to group. Tensors are not split,
     so a rank's share is near P/N only when no tensor dominates.
+
+    Args:
+        param_groups: the parameters of each parameter group.
+        world_size: the number of ranks.
+
+    Returns:
+        The parameters each rank owns, one list per rank.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int of at least 1.
     """
     check_world_size(world_size)
     sizes = [0] * world_size
@@ -325,6 +406,17 @@ def zero_state_bytes(param_groups: Sequence[Sequence[Tensor]], world_size: int, 
     """Optimizer state per rank under ZeroRedundancyOptimizer: ``spec`` applied to each rank's partition.
 
     For Adam, about 8P/N + 4 bytes per owned tensor on every rank; together exactly one full state.
+
+    Args:
+        param_groups: the parameters of each parameter group (frozen ones are left out).
+        world_size: the number of ranks.
+        spec: the optimizer's state layout.
+
+    Returns:
+        The optimizer state in bytes of each rank.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int of at least 1.
     """
     trainable = [[p for p in group if p.requires_grad] for group in param_groups]
     return [sum(spec.param_bytes(p) for p in owned) for owned in zero_partition(trainable, world_size)]
@@ -344,6 +436,21 @@ def fsdp_fixed_cost_bytes(
 
     With fp32 Adam that is 16P/N, plus the unsharded parameters of the FSDP unit gathered for
     forward and backward (``gathered_params`` numbers of ``param_bytes`` each, or ``gathered_bytes``).
+
+    Args:
+        params: the number of parameters, P.
+        world_size: the number of ranks, N.
+        param_bytes: bytes per weight.
+        grad_bytes: bytes per gradient.
+        state_bytes_per_param: bytes of optimizer state per parameter.
+        gathered_params: parameters of the gathered FSDP unit.
+        gathered_bytes: the gathered unit's bytes, in place of ``gathered_params``.
+
+    Returns:
+        The fixed cost of one rank in bytes.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int of at least 1.
     """
     per_param = param_bytes + grad_bytes + state_bytes_per_param
     gathered = gathered_params * param_bytes if gathered_bytes is None else gathered_bytes
@@ -354,6 +461,12 @@ def fsdp_gathered_bytes(module: nn.Module) -> int:
     """Unsharded bytes of the largest FSDP2 unit (a ``fully_shard`` module): what one all-gather brings in.
 
     A unit owns the parameters under it that no nested unit owns; a DTensor's ``numel`` is its global size.
+
+    Args:
+        module: the model, with ``fully_shard`` applied to some of its modules.
+
+    Returns:
+        The largest unit's unsharded bytes; 0 where there is no FSDP2 unit.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -375,6 +488,18 @@ def deepspeed_zero_bytes(stage: int, params: int, world_size: int, *, largest_la
     fp16 weights (2P) and gradients (2P), and fp32 master weights with Adam's two moments (12P):
     stage 0 keeps all 16P; stage 1 shards the 12P; stage 2 also the gradients; stage 3 everything,
     plus the largest layer gathered in fp16 (2 bytes per parameter).
+
+    Args:
+        stage: the ZeRO stage, 0 to 3.
+        params: the number of parameters, P.
+        world_size: the number of ranks, N.
+        largest_layer_params: parameters of the largest layer (stage 3 only).
+
+    Returns:
+        The model states of one GPU in bytes.
+
+    Raises:
+        ValueError: if ``stage`` is not 0, 1, 2 or 3, or ``world_size`` is not an int of at least 1.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
@@ -393,6 +518,18 @@ def deepspeed_estimator_bytes(stage: int, params: int, world_size: int, *, large
 
     Stage 2: 4P + 16P/N; stage 3: 4 x largest layer + 18P/N. Its constants are rounder than the
     paper's (it counts fp32 gradients and a full-precision gathered layer), so it sits above ours.
+
+    Args:
+        stage: the ZeRO stage, 2 or 3.
+        params: the number of parameters, P.
+        world_size: the number of ranks, N.
+        largest_layer_params: parameters of the largest layer (stage 3 only).
+
+    Returns:
+        DeepSpeed's estimate of one GPU's model states in bytes.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int of at least 1, or ``stage`` is not 2 or 3.
     """
     check_world_size(world_size)
     if stage == 2:

@@ -65,7 +65,14 @@ class ActivationTracker:
         self.reset_counts()
 
     def ignore(self, tensors: Iterable[Tensor]) -> None:
-        """Never count these storages (the input batch, say) as activations."""
+        """Never count these storages (the input batch, say) as activations.
+
+        Args:
+            tensors: the tensors whose storages are ignored (a DTensor's local shard).
+
+        Raises:
+            ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
+        """
         for tensor in tensors:
             for storage in storages_of(local_tensor(tensor)):
                 self._ignored[id(storage)] = weakref.ref(storage)
@@ -92,6 +99,9 @@ class ActivationTracker:
 
         A failure is kept in ``error``, never raised: the user's forward has run, and the census
         reports the activations as not measured.
+
+        Args:
+            output: the forward's output: a tensor, or a collection holding tensors.
         """
         if self.error is not None:
             return
@@ -106,7 +116,14 @@ class ActivationTracker:
         return [storage for storage in found if storage is not None]
 
     def live_bytes(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
-        """Bytes of recorded storages that are still alive and not in ``exclude``."""
+        """Bytes of recorded storages that are still alive and not in ``exclude``.
+
+        Args:
+            exclude: the storage keys already counted in another tenant.
+
+        Returns:
+            The bytes of the activations autograd still holds.
+        """
         return _live(self._saved, exclude)
 
     def cast_bytes(self) -> int:
@@ -230,7 +247,15 @@ def _live(records: dict[int, tuple[weakref.ref, int]], exclude: set[int] | froze
 
 
 def is_param_cast(tensor: Tensor, params: frozenset[int] | set[int]) -> bool:
-    """Whether ``tensor`` (or the base it views) is a dtype cast of a parameter: ``_to_copy`` of a leaf."""
+    """Whether ``tensor`` (or the base it views) is a dtype cast of a parameter: ``_to_copy`` of a leaf.
+
+    Args:
+        tensor: a tensor saved for backward.
+        params: the ids of the parameters.
+
+    Returns:
+        True where it is a cast copy of one of them.
+    """
     return id(cast_source(tensor)) in params
 
 
@@ -240,6 +265,15 @@ def checkpointed_regions(output: Tensor) -> int:
     A reentrant region is one ``CheckpointFunctionBackward`` node; a non-reentrant region packs the
     tensors its nodes save with its own saved-tensors hook, one per region, which the walk recognises
     by the hook's module. Nothing is unpacked, so nothing is recomputed.
+
+    Args:
+        output: a tensor whose graph is walked (the loss, say).
+
+    Returns:
+        The number of checkpointed regions.
+
+    Raises:
+        Exception: whatever reading the graph failed with.
     """
     tracker = ActivationTracker()
     tracker.observe(output)
@@ -279,6 +313,11 @@ class TenantCounter:
         self.refresh()
 
     def refresh(self) -> None:
+        """Read the module's parameters and buffers again, and the bytes of the weights tenant.
+
+        Raises:
+            ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
+        """
         self.tensors = list(chain(self.module.parameters(), self.module.buffers()))
         self._weight_keys = set()
         self._weights = unique_storage_bytes(self.tensors, self._weight_keys)
@@ -286,7 +325,18 @@ class TenantCounter:
     def count(
         self, activations: ActivationTracker | None = None, optimizer_state_bytes: int | None = None
     ) -> dict[Tenant, int]:
-        """Bytes of each tenant now; ``optimizer_state_bytes`` skips the walk of the optimizer state."""
+        """Bytes of each tenant now; ``optimizer_state_bytes`` skips the walk of the optimizer state.
+
+        Args:
+            activations: the tracker of the saved tensors; ``None`` counts no activations.
+            optimizer_state_bytes: the optimizer state's bytes carried over from an earlier phase, if any.
+
+        Returns:
+            The bytes of ``weights``, ``gradients``, ``optimizer_state`` and ``activations``.
+
+        Raises:
+            ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
+        """
         seen = set(self._weight_keys)
         weights = self._weights
         gradients = unique_storage_bytes([t.grad for t in self.tensors if t.grad is not None], seen)
@@ -304,7 +354,15 @@ class TenantCounter:
 
 
 def device_state_tensors(optimizers: Sequence[Optimizer], host_state: HostState | None = None) -> Iterator[Tensor]:
-    """The tensors of every optimizer's state but the entries ``host_state`` names for it (kept on the host)."""
+    """The tensors of every optimizer's state but the entries ``host_state`` names for it (kept on the host).
+
+    Args:
+        optimizers: the optimizers; each is read through :func:`local_optimizer`.
+        host_state: the state entries each optimizer keeps on the host; ``None`` yields every entry.
+
+    Yields:
+        Each state tensor kept on the device.
+    """
     if host_state is None:
         yield from optimizer_state_tensors(optimizers)
         return
@@ -330,5 +388,16 @@ def take_census(
     """Bytes of each tenant right now; a storage shared by two tenants counts for the first.
 
     The order of precedence is weights, gradients, optimizer state, activations.
+
+    Args:
+        module: the model whose parameters, buffers and gradients are counted.
+        optimizers: its optimizers, whose state is the optimizer-state tenant.
+        activations: the tracker of the saved tensors; ``None`` counts no activations.
+
+    Returns:
+        The bytes of ``weights``, ``gradients``, ``optimizer_state`` and ``activations``.
+
+    Raises:
+        ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
     """
     return TenantCounter(module, optimizers).count(activations)

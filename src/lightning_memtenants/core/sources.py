@@ -133,7 +133,11 @@ class _PeakCounters(MemorySource):
         raise NotImplementedError
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
-        """Begin a window: reset the peak counter, or remember its value; the first start records the old peak."""
+        """Begin a window: reset the peak counter, or remember its value; the first start records the old peak.
+
+        Args:
+            roots: tensors that already exist; the counters see them already, so they are not used.
+        """
         counters = self._counters()
         if counters is None:
             return
@@ -331,7 +335,14 @@ class TrackerSource(MemorySource):
         return self.label or f"live-tensor tracker ({self.tracker.device_type})"
 
     def start(self, roots: Iterable[Tensor] = ()) -> None:
-        """Start the tracker; ``roots`` are counted as well as what its scan finds."""
+        """Start the tracker; ``roots`` are counted as well as what its scan finds.
+
+        Args:
+            roots: tensors that already exist and that a scan may not find (gradients held only by C++).
+
+        Raises:
+            ValueError: if a tensor's layout cannot be counted (see ``storages_of``).
+        """
         self.tracker.start(roots)
 
     def read(self) -> Reading:
@@ -361,7 +372,11 @@ class TrackerSource(MemorySource):
         self.tracker.stop()
 
     def adopt(self, storages: Iterable[torch.UntypedStorage]) -> None:
-        """Have the running tracker count ``storages`` it has not seen; ignored while it is paused."""
+        """Have the running tracker count ``storages`` it has not seen; ignored while it is paused.
+
+        Args:
+            storages: the storages found alive (the graph's saved tensors).
+        """
         if self.tracker.active:
             self.tracker.adopt(storages)
 

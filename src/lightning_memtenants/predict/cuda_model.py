@@ -80,7 +80,14 @@ class CudaTarget:
     capability: tuple[int, int]
 
     def workspace_bytes(self, environ: Mapping[str, str] | None = None) -> int:
-        """The cuBLAS workspace per handle on this architecture; see :func:`cublas_workspace_bytes`."""
+        """The cuBLAS workspace per handle on this architecture; see :func:`cublas_workspace_bytes`.
+
+        Args:
+            environ: the environment to read ``CUBLAS_WORKSPACE_CONFIG`` from; ``None`` for ``os.environ``.
+
+        Returns:
+            Bytes per cuBLAS handle.
+        """
         return cublas_workspace_bytes(self.capability, environ)
 
 
@@ -248,7 +255,11 @@ class CachingAllocatorModel:
         return block.size
 
     def free(self, key: int) -> None:
-        """Give back the block of ``key`` (nothing if it has none), merged with free neighbours."""
+        """Give back the block of ``key`` (nothing if it has none), merged with free neighbours.
+
+        Args:
+            key: the storage's identity, as given to :meth:`malloc`.
+        """
         block = self._taken.pop(key, None)
         if block is None:
             return
