@@ -27,11 +27,11 @@ from lightning_memtenants.analysis.formulas import (
     step_temporaries_bytes,
 )
 from lightning_memtenants.checks import brief
-from lightning_memtenants.core.census import ActivationTracker, HostState, TenantCounter
+from lightning_memtenants.core.census import ActivationTracker, TenantCounter
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.sources import MemorySource, Reading, source_for
-from lightning_memtenants.core.storage import batch_tensors, local_optimizer, optimizer_state_tensors
+from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Measurement, Part, Phase, Tenant
 
 

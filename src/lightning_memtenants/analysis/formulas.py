@@ -16,8 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_memtenants._private import default_foreach, local_tensor, scaler_tensors
 from lightning_memtenants.checks import world_size as check_world_size
-from lightning_memtenants.core.census import HostState
-from lightning_memtenants.core.storage import local_optimizer
+from lightning_memtenants.core.storage import HostState, local_optimizer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ meta tensors included. The activations are read from the loss's autograd graph, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -18,17 +18,13 @@ from torch.optim import Optimizer
 from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, local_tensor
 from lightning_memtenants.core.storage import (
     PLAIN,
-    local_optimizer,
+    HostState,
     optimizer_state_tensors,
     storages_of,
     tensors_in,
     unique_storage_bytes,
 )
 from lightning_memtenants.names import Tenant
-
-HostState = Callable[[Optimizer], Collection[str]]
-"""Which per-parameter state entries an optimizer keeps in host memory, by name: on a GPU, the ``step``
-counters of an optimizer neither capturable nor fused are CPU tensors, in no device tenant."""
 
 
 class ActivationTracker:
@@ -341,7 +337,7 @@ class TenantCounter:
         weights = self._weights
         gradients = unique_storage_bytes([t.grad for t in self.tensors if t.grad is not None], seen)
         if optimizer_state_bytes is None:
-            optimizer_state = unique_storage_bytes(device_state_tensors(self.optimizers, self.host_state), seen)
+            optimizer_state = unique_storage_bytes(optimizer_state_tensors(self.optimizers, self.host_state), seen)
         else:
             optimizer_state = optimizer_state_bytes
         saved = activations.live_bytes(exclude=seen) if activations is not None else 0
@@ -351,33 +347,6 @@ class TenantCounter:
             "optimizer_state": optimizer_state,
             "activations": saved,
         }
-
-
-def device_state_tensors(optimizers: Sequence[Optimizer], host_state: HostState | None = None) -> Iterator[Tensor]:
-    """The tensors of every optimizer's state but the entries ``host_state`` names for it (kept on the host).
-
-    Args:
-        optimizers: the optimizers; each is read through :func:`local_optimizer`.
-        host_state: the state entries each optimizer keeps on the host; ``None`` yields every entry.
-
-    Yields:
-        Each state tensor kept on the device.
-    """
-    if host_state is None:
-        yield from optimizer_state_tensors(optimizers)
-        return
-    for optimizer in optimizers:
-        host = host_state(optimizer)
-        if not host:
-            yield from optimizer_state_tensors([optimizer])
-            continue
-        for state in local_optimizer(optimizer).state.values():
-            if isinstance(state, dict):
-                for name, value in state.items():
-                    if name not in host:
-                        yield from tensors_in(value)
-            else:
-                yield from tensors_in(state)
 
 
 def take_census(

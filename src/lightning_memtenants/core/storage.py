@@ -7,7 +7,7 @@ per live storage; ``data_ptr()`` would be 0 for every fake tensor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from lightning_memtenants._private import local_tensor
 
 __all__ = [
+    "HostState",
     "batch_elements",
     "batch_tensors",
     "local_optimizer",
@@ -35,6 +36,9 @@ _SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
     torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
+# Given an optimizer, the names of its state entries kept in host memory (its ``step`` counters on a GPU), which
+# are in no device figure: the census and the fixed-cost formula leave them out.
+HostState = Callable[[Optimizer], Collection[str]]
 PLAIN = (Tensor, nn.Parameter)
 
 
@@ -174,18 +178,23 @@ def local_optimizer(optimizer: Optimizer) -> Optimizer:
     return inner if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
 
 
-def optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterator[Tensor]:
-    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included.
+def optimizer_state_tensors(optimizers: Iterable[Optimizer], host_state: HostState | None = None) -> Iterator[Tensor]:
+    """Every tensor in every optimizer's ``state``, scalar ``step`` counters included, but those kept on the host.
 
     Args:
         optimizers: the optimizers; each is read through :func:`local_optimizer`.
+        host_state: the state entries each optimizer keeps on the host, left out; ``None`` leaves out none.
 
     Yields:
         Each state tensor, also those nested in containers inside the state.
     """
-    for optimizer in map(local_optimizer, optimizers):
-        for state in optimizer.state.values():
-            for value in state.values() if isinstance(state, dict) else (state,):
+    for optimizer in optimizers:
+        host = host_state(optimizer) if host_state is not None else ()
+        for state in local_optimizer(optimizer).state.values():
+            entries = state.items() if isinstance(state, dict) else (("", state),)
+            for name, value in entries:
+                if name in host:
+                    continue
                 if isinstance(value, Tensor):
                     yield value
                 else:

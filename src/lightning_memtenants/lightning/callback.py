@@ -329,8 +329,9 @@ class MemoryTenantsCallback(Callback):
         if monitor.pending_micro_batches == 0:
             self._stepped = False
             self._step = self._step_number(trainer)
-            self._logging_step = bool(trainer.loggers) and self._logs.logs_next_step(trainer)
-            monitor.measure = self.track_every_step or self._logs.logs_next_step(trainer)
+            logged = self._logs.logs_next_step(trainer)
+            self._logging_step = logged and bool(trainer.loggers)
+            monitor.measure = self.track_every_step or logged
         self._alerts.batch_start(batch, batch_idx)
         self._phase("batch_start", batch)
 
