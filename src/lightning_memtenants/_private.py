@@ -29,6 +29,7 @@ __all__ = [
     "cast_source",
     "compiled_by_lightning",
     "compiled_in_place",
+    "constant_factories",
     "ddp_bucket_sizes",
     "default_foreach",
     "dump_snapshot",
@@ -38,8 +39,10 @@ __all__ = [
     "lightning_optimizers",
     "local_tensor",
     "mode_stack",
+    "real_as_fake",
     "record_history",
     "scaler_tensors",
+    "unset_fake",
 ]
 
 # A node's saved tensors are its ``_raw_saved_*`` attributes: ``SavedTensor`` objects whose ``data`` reads what is
@@ -236,6 +239,49 @@ class mode_stack:
         dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
         dispatch._is_in_any_mode_without_ignore_compile_internals = without_ignore
         dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
+
+
+def unset_fake() -> Any:
+    """A context in which the active ``FakeTensorMode`` is off, every other mode still on (``unset_fake_temporarily``).
+
+    A dry run computes tensors made only of constants for real, under the user's and our own dispatch modes;
+    torch offers no public way to step out of the fake mode alone.
+
+    Returns:
+        The context manager.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def constant_factories() -> frozenset[Any]:
+    """The torch functions that make a tensor from their arguments alone (``torch.ones``...), random ones left out.
+
+    It is the list ``torch.device`` as a context uses to set the device of new tensors (``_device_constructors``);
+    the random ones are left out, as computing them for real would move the user's random number generator.
+
+    Returns:
+        The functions.
+    """
+    from torch.utils._device import _device_constructors
+
+    return frozenset(f for f in _device_constructors() if "rand" not in f.__name__)
+
+
+def real_as_fake(mode: Any, tensor: Tensor) -> Tensor:
+    """The fake tensor that ``mode`` stands a real ``tensor`` for when an operator mixes the two (its converter).
+
+    The conversion is remembered per real tensor, so this is the very fake the operator will see.
+
+    Args:
+        mode: the active ``FakeTensorMode``.
+        tensor: a real tensor.
+
+    Returns:
+        Its fake counterpart.
+    """
+    return mode.fake_tensor_converter.from_real_tensor(mode, tensor)
 
 
 # -- Lightning ---------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
-        if tracker.error is not None:
+        if tracker.error is not None or tracker.unseen:
             return out
         before = tracker.current_bytes
         try:
@@ -251,6 +251,8 @@ class LiveTensorTracker:
         self.error: Exception | None = None
         # tensors the first scan found alive whose storage could not be read, left out of the figures
         self.unreadable = 0
+        # while True, operators are not counted: a dry run's own bookkeeping (a real tensor's fake copy)
+        self.unseen = False
 
     @property
     def active(self) -> bool:

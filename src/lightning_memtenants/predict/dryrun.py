@@ -47,6 +47,8 @@ from lightning_memtenants.predict.fake import (
     fake_session,
     forward_context,
 )
+from lightning_memtenants.predict.kernels import CpuKernels
+from lightning_memtenants.predict.values import KnownValues, is_unknown_value, unknown_value_error
 
 # The plain device names ``target`` takes; it also takes a GPU by name or compute capability (``resolve_target``).
 TARGETS = ("cpu", "cuda")
@@ -183,12 +185,12 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
         notes.append("16-mixed on the CPU runs as bf16-mixed, as Lightning does there")
     param_dtype, autocast_dtype = PRECISIONS[precision]
     with fake_session() as mode:
-        fake = fake_module(model, mode, param_dtype)
+        fake = fake_module(model, mode, param_dtype, notes)
         fake.train()
         lightning = loss_fn is None and _is_lightning(fake)
         if loss_fn is None and not lightning:
             raise ValueError("loss_fn is required for a plain nn.Module: loss_fn(model, batch) -> loss tensor")
-        faked = fake_batch(batch, fake, param_dtype)
+        faked = fake_batch(batch, fake, param_dtype, notes)
         elements, batch_bytes = batch_elements(faked)
         optimizers = _optimizers(fake, optimizer, lightning)
         if gpu_target is None:
@@ -225,12 +227,22 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
             monitor.add_note(note)
         forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
-        try:
-            with threads, eager():
-                for index in range(settings.steps):
-                    reports.append(_step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads))
-        finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
-            monitor.close()
+        known = KnownValues(mode, source.tracker)
+        # the CPU's kernels, below the tracker's mode (which starts at batch_start and leaves at close) so that
+        # it sees their dtypes
+        kernels = CpuKernels() if gpu_target is None else contextlib.nullcontext()
+        with kernels:
+            try:
+                with threads, eager(), known:
+                    for index in range(settings.steps):
+                        step = _step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads)
+                        reports.append(step)
+            except Exception as error:
+                if is_unknown_value(error):
+                    raise unknown_value_error(error, "the training step") from None
+                raise
+            finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
+                monitor.close()
     return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
 
 

@@ -18,9 +18,17 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_memtenants._private import FakeTensorMode, ShapeEnv
+from lightning_memtenants._private import FakeTensor, FakeTensorMode, ShapeEnv, unset_fake
 from lightning_memtenants.checks import brief, one_of
 from lightning_memtenants.core.storage import batch_tensors
+from lightning_memtenants.predict.values import (
+    BUILD_ELEMENTS,
+    KnownValues,
+    branching_line,
+    is_known,
+    is_unknown_value,
+    unknown_value_error,
+)
 
 ModelArg = nn.Module | Callable[[], nn.Module]
 
@@ -80,7 +88,9 @@ def fake_session() -> Iterator[Any]:
         logger.setLevel(level)
 
 
-def fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) -> nn.Module:
+def fake_module(
+    model: ModelArg, mode: Any, dtype: torch.dtype | None = None, notes: list[str] | None = None
+) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied.
 
     The user's model is never touched: a prediction steps its copy, which costs no memory.
@@ -89,6 +99,7 @@ def fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) ->
         model: the module to copy, or a zero-argument callable that builds one (under the fake mode).
         mode: the active ``FakeTensorMode`` (from :func:`fake_session`).
         dtype: the true-precision parameter dtype to cast floating tensors to, or ``None``.
+        notes: where to say what was assumed (a constructor built a second time, see :func:`build`).
 
     Returns:
         The fake copy; a Trainer or Fabric attached to ``model`` is not copied.
@@ -96,17 +107,24 @@ def fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) ->
     Raises:
         ValueError: if the callable builds something other than an ``nn.Module``.
     """
+    built: nn.Module | None = None
     if not isinstance(model, nn.Module):
-        built = model()
-        if not isinstance(built, nn.Module):
-            raise ValueError(f"model() must build an nn.Module, got {type(built).__name__}")
-    else:
+        built = build(model, mode, notes)
+        if all(isinstance(t, FakeTensor) for t in (*built.parameters(), *built.buffers())):
+            model = None
+            _mend(built)
+        else:  # built with constants computed for real: their tensors are made fake below
+            model, built = built, None
+    if model is not None:
         memo: dict[int, Any] = {}
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) not in memo:
                 # a model built on the meta device has shapes and no memory: its fakes are CPU tensors like the rest
                 plain = tensor.detach()
                 fake = torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype) if plain.is_meta else None
+                if isinstance(tensor, FakeTensor):
+                    memo[id(tensor)] = tensor
+                    continue
                 fake = mode.from_tensor(plain) if fake is None else fake
                 if isinstance(tensor, nn.Parameter):
                     fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
@@ -117,9 +135,78 @@ def fake_module(model: ModelArg, mode: Any, dtype: torch.dtype | None = None) ->
                 if attached is not None:
                     memo[id(attached)] = None
         built = copy.deepcopy(model, memo)
+    assert built is not None
     if dtype is not None:
         _cast(built, dtype)
     return built
+
+
+def build(make: Callable[[], nn.Module], mode: Any, notes: list[str] | None = None) -> nn.Module:
+    """The user's model built under fake tensors; a constructor that reads tensor values is built on the meta device.
+
+    On the meta device torch's initializers do nothing (``trunc_normal_`` no longer samples until a
+    value check passes), and the few small tensors made only from constants (``torch.linspace`` over
+    the depth, as timm's drop-path schedule is) are computed for real on the CPU, so that ``.item()``
+    and ``if`` on them work. :func:`fake_module` then makes every tensor fake; what the constructor drew
+    from the random generator is put back.
+
+    Args:
+        make: a zero-argument callable that returns an ``nn.Module``.
+        mode: the active ``FakeTensorMode``.
+        notes: where to say that the constructor was built on the meta device, and why.
+
+    Returns:
+        The module; built on the meta device, its tensors are meta or small real ones.
+
+    Raises:
+        ValueError: if ``make`` builds something other than an ``nn.Module``.
+        PredictionError: naming the line, if the constructor reads a value that is not a constant.
+    """
+    try:
+        built = make()
+    except Exception as error:
+        if not is_unknown_value(error):
+            raise
+        try:
+            constants = KnownValues(mode, limit=BUILD_ELEMENTS, device="cpu")
+            with unset_fake(), torch.random.fork_rng(devices=[]), torch.device("meta"), constants:
+                built = make()
+        except Exception as again:
+            if is_unknown_value(again):
+                raise unknown_value_error(again, "the model's constructor") from None
+            raise
+        if notes is not None:
+            notes.append(
+                f"the model's constructor reads tensor values ({branching_line(error)}): it was built on the meta"
+                f" device, with its constant tensors of up to {BUILD_ELEMENTS:,} elements computed for real"
+            )
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"model() must build an nn.Module, got {type(built).__name__}")
+    return built
+
+
+def _mend(module: nn.Module) -> None:
+    """Give a fresh fake to each tensor whose views do not share its storage, so that a view counts as its base.
+
+    ``copy.deepcopy`` of a fake tensor (``nn.Transformer`` clones its layers so) sets a new storage that the
+    fake mode does not carry into views: the census would count a saved ``weight.t()`` as an activation.
+    """
+    done: dict[int, Tensor] = {}
+    for sub in module.modules():
+        own = [*sub.named_parameters(recurse=False, remove_duplicate=False)]
+        own += sub.named_buffers(recurse=False, remove_duplicate=False)
+        for name, tensor in own:
+            if id(tensor) not in done:
+                plain = tensor.detach()
+                if plain.untyped_storage()._cdata == tensor.untyped_storage()._cdata:
+                    done[id(tensor)] = tensor
+                    continue
+                fresh = torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype)
+                done[id(tensor)] = (
+                    nn.Parameter(fresh, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fresh
+                )
+            if done[id(tensor)] is not tensor:
+                setattr(sub, name, done[id(tensor)])
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:
@@ -137,14 +224,18 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
             setattr(sub, name, done[id(tensor)])  # a buffer stays a buffer, persistent or not
 
 
-def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
-    """The batch as fake tensors: shapes become empty tensors, tensors fake copies, a callable is called.
+def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, notes: list[str] | None = None) -> Any:
+    """The batch as a dry run takes it: shapes become empty fake tensors, floating tensors fake copies, a callable
+    is called. Integer and boolean tensors stay real copies (:func:`is_known`): their values, token ids and
+    attention masks, can decide the path the model takes, as in training.
 
     Args:
         batch: tensors (real or meta), ``torch.Size`` shapes, any nesting of them, or a callable
             building the batch (given ``module`` if it takes one argument).
         module: the fake model, for a batch callable of one argument.
         dtype: the true-precision parameter dtype, to which floating inputs are cast as Lightning does.
+        notes: where to say which integer or boolean tensors have no values (given as shapes, or drawn at random
+            by the batch callable under fake tensors).
 
     Returns:
         The batch with every tensor fake.
@@ -162,6 +253,9 @@ def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
         return torch.empty(size, dtype=dtype or torch.float32)
 
     def tensor(t: Tensor) -> Tensor:
+        if not t.is_meta and not t.is_floating_point() and not t.is_complex() and is_known(t):
+            with unset_fake():  # token ids, masks, labels: their values decide the model's path, as in training
+                return t.detach().clone()
         fake = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t.detach().clone()
         if dtype is not None and fake.is_floating_point():
             fake = fake.to(dtype)  # Lightning's true-precision plugins cast floating inputs too
@@ -169,6 +263,15 @@ def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None) -> Any:
 
     batch = apply_to_collection(batch, torch.Size, shape)
     batch = apply_to_collection(batch, Tensor, tensor)
+    unknown = [t for t in batch_tensors(batch) if not t.is_floating_point() and not is_known(t)]
+    if unknown and notes is not None:
+        shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in unknown[:3])
+        notes.append(
+            f"the batch's integer or boolean tensor(s) {shapes} have no values (given as shapes, or drawn at random"
+            " under fake tensors): code that branches on them takes the path for unknown values, as in tracing"
+            " (transformers then builds an explicit attention mask, as for a padded batch); pass real tensors"
+            " for the real path"
+        )
     if not batch_tensors(batch):
         made = " (what the batch callable returned)" if given is not batch else ""
         raise ValueError(f"batch must contain at least one tensor or torch.Size, got {brief(batch)}{made}")

@@ -1,0 +1,57 @@
+"""Hugging Face models and Lightning's demo Transformer: a prediction equals a real CPU run of the same step.
+
+GPT-2 (tied embeddings), Llama (grouped-query attention, rotary), BERT (masked LM) and a ViT, each with an
+all-ones and a padded attention mask where it takes one, at ``32-true`` and ``bf16-mixed``, with and without
+``gradient_checkpointing_enable()``; and ``lightning.pytorch.demos``' Transformer. The real runs are
+``hf_check.py``'s, in a fresh process, less what that process held before training (the data set).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_models import SPECS, Spec, build_batch, build_module
+
+from lightning_memtenants import PHASES, predict
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def real_runs() -> dict[str, dict]:
+    """One real one-step Trainer fit per spec on the CPU, all in one fresh process so the tracker sees only them."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "hf_check.py"), *(spec.name for spec in SPECS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {run["spec"]: run for run in runs}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name for spec in SPECS])
+@pytest.mark.slow
+def test_a_hugging_face_model_is_predicted_to_the_byte(real_runs: dict[str, dict], spec: Spec) -> None:
+    real = real_runs[spec.name]
+    predicted = predict(build_module(spec), build_batch(spec), precision=spec.precision)
+    host = real["host_bytes"]
+    report = real["report"]
+    assert predicted.tenants_bytes == report["tenants_bytes"]
+    for name in PHASES:
+        phase, mine = report["phases"][name], predicted.phases[name]
+        assert mine.tenants_bytes == phase["tenants_bytes"], name
+        assert mine.allocated_bytes == phase["allocated_bytes"] - host, name
+        assert mine.window_peak_bytes == phase["window_peak_bytes"] - host, name
+        assert mine.parts_bytes == phase["parts_bytes"], name  # the autocast cache under bf16-mixed
+    assert predicted.peak_bytes == report["peak_bytes"] - host
+    assert predicted.peak_phase == report["peak_phase"]
+    assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]

@@ -1,0 +1,184 @@
+"""Tensor values in a dry run: constants and the batch's integers are real, the rest is one sentence.
+
+The bytes are worked out by hand in each test: fp32 is 4 bytes an element, a bool 1, int64 8.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_memtenants import predict
+from lightning_memtenants.predict.fake import fake_session
+from lightning_memtenants.predict.kernels import CpuKernels
+from lightning_memtenants.predict.values import PredictionError
+
+
+def total(model: nn.Module, batch: Tensor) -> Tensor:
+    return model(batch).sum()
+
+
+class DropPathSchedule(nn.Module):
+    """As timm's ViT: the depth's drop rates from ``torch.linspace``, read with ``.item()`` to choose each block."""
+
+    def __init__(self, depth: int = 3, rate: float = 0.1) -> None:
+        super().__init__()
+        rates = [x.item() for x in torch.linspace(0, rate, depth)]
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) if r > 0.0 else nn.Identity() for r in rates)
+        nn.init.trunc_normal_(self.blocks[1].weight)  # a random init, as timm's: the user's generator must not move
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_constructor_that_reads_its_constants_is_built_and_the_report_says_so() -> None:
+    state = torch.random.get_rng_state()
+    report = predict(DropPathSchedule, torch.Size([4, 8]), loss_fn=total)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    # rates 0, 0.05, 0.1: the first block is an Identity, two Linear(8, 8) remain: 2 x (64 + 8) x 4 bytes
+    assert report.tenants_bytes["weights"] == 2 * 72 * 4
+    (note,) = [n for n in report.notes if "constructor" in n]
+    assert "test_values.py" in note and "computed for real" in note
+
+
+class MaskPaths(nn.Module):
+    """A model whose path depends on values, as transformers' attention does.
+
+    A generated causal mask is compared with ``torch.equal`` (``nn.Transformer``'s causal check), and an
+    attention mask that masks nothing (``mask.all()``) is dropped; a padded one scales the scores.
+    """
+
+    def __init__(self, seq: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.seq = seq
+        self.proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        causal = torch.triu(torch.ones(self.seq, self.seq, dtype=torch.bool), diagonal=1)
+        assert torch.equal(causal, torch.triu(torch.ones_like(causal), diagonal=1))
+        scores = self.proj(x) @ x.transpose(1, 2)  # (b, s, s)
+        if not mask.all():
+            keep = mask.to(x.dtype)  # (b, s) fp32, saved by the product for backward
+            scores = scores * keep[:, None, :]
+        return scores.masked_fill(causal, 0.0)
+
+
+def mask_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return model(*batch).sum()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_model_takes_the_path_a_real_run_takes_from_the_batch_s_own_mask(padded: bool) -> None:
+    b, s, w = 2, 16, 8
+    mask = torch.ones(b, s, dtype=torch.long)
+    if padded:
+        mask[1, s // 2 :] = 0
+    report = predict(MaskPaths(s, w), (torch.randn(b, s, w), mask), loss_fn=mask_loss)
+    # saved for backward beside the batch (which is no activation): the causal mask for masked_fill (s*s bool),
+    # and on the padded path the fp32 mask the product keeps (b*s*4); both are real tensors in the dry run
+    saved = s * s + (b * s * 4 if padded else 0)
+    forward = report.phases["before_backward"]
+    assert forward.tenants_bytes["activations"] == saved
+    # what the forward left allocated is those and the loss (4 bytes): the fake copies that the fake mode made of
+    # the real masks, where they met fake tensors, are not memory
+    start = report.phases["batch_start"].allocated_bytes
+    assert start is not None and forward.allocated_bytes is not None
+    assert forward.allocated_bytes - start == saved + 4
+
+
+class Branches(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if y.sum() > 0:  # the line the error names
+            return y * 2
+        return y
+
+
+def test_a_branch_on_a_value_no_one_knows_is_one_sentence_naming_the_line() -> None:
+    line = next(i for i, text in enumerate(inspect.getsource(Branches).splitlines()) if "if y.sum()" in text)
+    lineno = inspect.getsourcelines(Branches)[1] + line
+    with pytest.raises(PredictionError, match="training step cannot be predicted") as raised:
+        predict(Branches(8, 8), torch.Size([4, 8]), loss_fn=total)
+    assert f"test_values.py:{lineno} (forward): if y.sum() > 0:" in str(raised.value)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert isinstance(raised.value, ValueError)
+
+
+def test_integer_tensors_given_as_shapes_are_said_to_have_no_values() -> None:
+    ids = torch.empty(4, 8, dtype=torch.long, device="meta")
+    report = predict(nn.Embedding(10, 4), ids, loss_fn=total)
+    (note,) = [n for n in report.notes if "no values" in n]
+    assert "[4, 8] int64" in note
+    real = predict(nn.Embedding(10, 4), torch.zeros(4, 8, dtype=torch.long), loss_fn=total)
+    assert not [n for n in real.notes if "no values" in n]
+    assert real.tenants_bytes == report.tenants_bytes  # the embedding does not branch on its ids
+
+
+def saved_dtypes(run: object) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()  # type: ignore[operator]
+    return saved
+
+
+@pytest.mark.parametrize("norm", ["batch", "layer", "group"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_of_a_bf16_input_saves_the_statistics_the_cpu_saves(norm: str, weight_dtype: torch.dtype) -> None:
+    """The CPU keeps a bf16 input's statistics in fp32 under fp32 weights (autocast); the meta kernels do not."""
+
+    def make() -> tuple[Tensor, Tensor, Tensor]:
+        x = torch.ones(4, 8, 6, 6, dtype=torch.bfloat16, requires_grad=True)
+        return x, torch.ones(8, dtype=weight_dtype, requires_grad=True), torch.zeros(8, dtype=weight_dtype)
+
+    def step(x: Tensor, w: Tensor, b: Tensor) -> None:
+        if norm == "batch":
+            out = F.batch_norm(x, torch.zeros(8, dtype=w.dtype), torch.ones(8, dtype=w.dtype), w, b, training=True)
+        elif norm == "layer":
+            out = F.layer_norm(x.transpose(1, 3), (8,), w, b)
+        else:
+            out = F.group_norm(x, 2, w, b)
+        out.float().sum().backward()
+
+    real = saved_dtypes(lambda: step(*make()))
+    with fake_session(), CpuKernels():
+        fake = saved_dtypes(lambda: step(*make()))
+    assert fake == real
+    if weight_dtype == torch.float32:
+        assert sum(dtype == torch.float32 and len(shape) <= 4 and shape[0] <= 8 for dtype, shape in real) >= 2
+
+
+@pytest.mark.slow
+def test_lightning_s_demo_transformer_is_predicted_without_a_word_from_torch() -> None:
+    """Its causal-mask check runs on a real generated mask; torch's data-pointer warning never reaches the user."""
+    code = textwrap.dedent(
+        """
+        import functools, torch
+        from lightning.pytorch.demos import LightningTransformer
+        from lightning_memtenants import predict
+        idx = torch.randint(0, 100, (2, 16))
+        report = predict(functools.partial(LightningTransformer, vocab_size=100), (idx, idx))
+        print(report.tenants_bytes["weights"])
+        """
+    )
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # weights: embedding 100x200, decoder 200x100 + 100, nn.Transformer(200, 2 heads, 2+2 layers, ff 200)
+    encoder_layer = (3 * 200 * 200 + 3 * 200) + (200 * 200 + 200) + (200 * 200 + 200) + (200 * 200 + 200) + 4 * 200
+    decoder_layer = 2 * ((3 * 200 * 200 + 3 * 200) + (200 * 200 + 200)) + 2 * (200 * 200 + 200) + 6 * 200
+    params = 100 * 200 + (200 * 100 + 100) + 2 * encoder_layer + 2 * decoder_layer + 2 * (2 * 200)
+    assert int(out.stdout.split()[-1]) == 4 * params
+    assert "data pointer" not in out.stderr and "FakeTensor" not in out.stderr
