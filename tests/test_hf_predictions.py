@@ -55,3 +55,9 @@ def test_a_hugging_face_model_is_predicted_to_the_byte(real_runs: dict[str, dict
     assert predicted.peak_bytes == report["peak_bytes"] - host
     assert predicted.peak_phase == report["peak_phase"]
     assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]
+    # the activation-checkpointing note, in the prediction as in the callback's report
+    ckpt = [n for n in predicted.notes if n.startswith("activation checkpointing")]
+    assert ckpt == [n for n in report["notes"] if n.startswith("activation checkpointing")]
+    assert bool(ckpt) == spec.ckpt
+    # a real mask, all ones or padded, leaves nothing to assume about its values
+    assert not [n for n in predicted.notes if "no values" in n]
