@@ -6,9 +6,12 @@ The bytes are worked out by hand in each test: fp32 is 4 bytes an element, a boo
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,9 +19,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_memtenants import predict
+from lightning_memtenants.cli import main
 from lightning_memtenants.predict.fake import fake_session
 from lightning_memtenants.predict.kernels import CpuKernels
 from lightning_memtenants.predict.values import PredictionError
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str]) -> Any:
+    """The command in this process: returns its code, stdout and stderr."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit:
+            code = int(exit.code or 0)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
 
 
 def total(model: nn.Module, batch: Tensor) -> Tensor:
@@ -169,6 +188,7 @@ def test_lightning_s_demo_transformer_is_predicted_without_a_word_from_torch() -
         import functools, torch
         from lightning.pytorch.demos import LightningTransformer
         from lightning_memtenants import predict
+from lightning_memtenants.cli import main
         idx = torch.randint(0, 100, (2, 16))
         report = predict(functools.partial(LightningTransformer, vocab_size=100), (idx, idx))
         print(report.tenants_bytes["weights"])
@@ -182,3 +202,68 @@ def test_lightning_s_demo_transformer_is_predicted_without_a_word_from_torch() -
     params = 100 * 200 + (200 * 100 + 100) + 2 * encoder_layer + 2 * decoder_layer + 2 * (2 * 200)
     assert int(out.stdout.split()[-1]) == 4 * params
     assert "data pointer" not in out.stderr and "FakeTensor" not in out.stderr
+
+
+COMMAND_MODELS = '''
+import lightning as L
+import torch
+from lightning.pytorch.demos import LightningTransformer
+from torch import nn
+
+
+class Scheduled(L.LightningModule):
+    """timm's way: a drop-path schedule read with .item(), and torch's trunc_normal_ (which checks values)."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        rates = [x.item() for x in torch.linspace(0, 0.1, depth)]
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) if r > 0 else nn.Identity() for r in rates)
+        for block in self.blocks:
+            if isinstance(block, nn.Linear):
+                nn.init.trunc_normal_(block.weight, std=0.02)
+
+    def example_batch(self, batch_size: int, seq_len: int | None = None) -> torch.Tensor:
+        return torch.randn(batch_size, 16)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        for block in self.blocks:
+            batch = block(batch)
+        return batch.sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+class Demo(LightningTransformer):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=100)
+
+    def example_batch(self, batch_size: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(batch_size, seq_len or 16, dtype=torch.long)
+        return ids, ids
+
+
+class Unknowable(Scheduled):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        out = self.blocks[1](batch)
+        if out.mean() > 0:
+            out = out * 2
+        return out.sum()
+'''
+
+
+def test_the_command_predicts_models_built_from_their_class(tmp_path: Path, cli: Any) -> None:
+    source = tmp_path / "models.py"
+    source.write_text(COMMAND_MODELS)
+    done = cli("predict", f"{source}:Scheduled", "--batch-size", "4", "--json", str(tmp_path / "s.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["report"]["tenants_bytes"]["weights"] == 2 * (16 * 16 + 16) * 4
+    assert any("built on the meta device" in note for note in report["notes"])
+    done = cli("predict", f"{source}:Demo", "--batch-size", "2", "--seq-len", "16")
+    assert done.returncode == 0, done.stderr
+    done = cli("predict", f"{source}:Unknowable", "--batch-size", "4")
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert "cannot be predicted" in line and "models.py:" in line and "if out.mean() > 0:" in line
+    assert "Traceback" not in done.stderr

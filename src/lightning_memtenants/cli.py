@@ -26,12 +26,14 @@ from typing import Any, NoReturn
 
 from torch import nn
 
+from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
 from lightning_memtenants.predict.cuda_model import TARGET_HELP, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
-from lightning_memtenants.render.table import format_table
+from lightning_memtenants.predict.values import is_unknown_value
+from lightning_memtenants.render.table import fits_text, format_table
 from lightning_memtenants.units import MiB, parse_bytes
 
 
@@ -69,7 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=_positive, default=1, help="samples per batch (default 1)")
     run.add_argument("--seq-len", type=_positive, default=None, help="sequence length, passed to example_batch")
     run.add_argument("--precision", choices=sorted(PRECISIONS), default="32-true")
-    run.add_argument("--budget", default=None, help="device memory to plan for, e.g. 24GiB; gives the largest batch")
+    run.add_argument(
+        "--budget",
+        default=None,
+        help="device memory to plan for, e.g. 24GiB; gives the largest batch whose steady-state step fits it less"
+        " the margin",
+    )
+    run.add_argument(
+        "--margin",
+        type=_fraction,
+        default=0.05,
+        help="the fraction of --budget kept free, as the callback keeps it (default 0.05)",
+    )
     run.add_argument("--steps", type=_positive, default=1, help="steps to run; the report is of the last (default 1)")
     run.add_argument("--init", default="{}", help="constructor keyword arguments as JSON, e.g. '{\"n_layer\": 4}'")
     run.add_argument(
@@ -137,6 +150,8 @@ def _predict(args: argparse.Namespace) -> int:
                 raise UsageError(f"{args.target} cannot be built with --init {json.dumps(init)}: {error}") from None
             raise _UserCodeFailed(f"building {args.target}", error) from None
         except Exception as error:
+            if is_unknown_value(error):  # the dry run builds it again on the meta device
+                raise
             raise _UserCodeFailed(f"building {args.target}", error) from None
         if not isinstance(module, nn.Module) or not callable(getattr(module, "training_step", None)):
             raise UsageError(
@@ -171,10 +186,16 @@ def _predict(args: argparse.Namespace) -> int:
     print(format_table(report))  # the report's notes include the prediction's own
     largest = None
     if budget is not None:
+        # the steady state must fit (the optimizer state and the previous gradients resident), whatever --steps shows
+        steady: PredictOptions = {**options, "steps": max(args.steps, 2)}
         largest = _run_step(
-            lambda: largest_batch_size(build, make_batch, budget, start=args.batch_size, **options), args.batch_size
+            lambda: largest_batch_size(build, make_batch, budget, margin=args.margin, start=args.batch_size, **steady),
+            args.batch_size,
         )
-        print(f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}")
+        print(
+            f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}"
+            f" (a steady-state step {fits_text(budget, args.margin)})"
+        )
     if args.json is not None:
         document = {
             "target": args.target,
@@ -184,6 +205,8 @@ def _predict(args: argparse.Namespace) -> int:
             "device": device,
             "gpu": gpu,
             "budget_bytes": budget,
+            "margin": args.margin,
+            "limit_bytes": None if budget is None else Budget(budget, args.margin).limit_bytes,
             "largest_batch_size": largest,
             "notes": prediction.notes,
             "report": report.to_dict(),
@@ -327,6 +350,16 @@ def load_target(target: str) -> Any:
 
 def _ours(filename: str) -> bool:
     return filename.startswith(str(Path(__file__).parent)) or "importlib" in filename or filename.startswith("<frozen")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
