@@ -29,7 +29,6 @@ __all__ = [
     "cast_source",
     "compiled_by_lightning",
     "compiled_in_place",
-    "constant_factories",
     "ddp_bucket_sizes",
     "default_foreach",
     "dump_snapshot",
@@ -42,6 +41,7 @@ __all__ = [
     "real_as_fake",
     "record_history",
     "scaler_tensors",
+    "tensor_factories",
     "unset_fake",
 ]
 
@@ -255,18 +255,18 @@ def unset_fake() -> Any:
     return unset_fake_temporarily()
 
 
-def constant_factories() -> frozenset[Any]:
-    """The torch functions that make a tensor from their arguments alone (``torch.ones``...), random ones left out.
+def tensor_factories() -> frozenset[Any]:
+    """The torch functions that make a tensor from their arguments alone (``torch.ones``, ``torch.randint``...).
 
     It is the list ``torch.device`` as a context uses to set the device of new tensors (``_device_constructors``);
-    the random ones are left out, as computing them for real would move the user's random number generator.
+    a dry run makes the small ones for real, where their values decide the model's path.
 
     Returns:
         The functions.
     """
     from torch.utils._device import _device_constructors
 
-    return frozenset(f for f in _device_constructors() if "rand" not in f.__name__)
+    return frozenset(_device_constructors())
 
 
 def real_as_fake(mode: Any, tensor: Tensor) -> Tensor:

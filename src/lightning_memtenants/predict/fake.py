@@ -234,8 +234,8 @@ def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, notes: 
             building the batch (given ``module`` if it takes one argument).
         module: the fake model, for a batch callable of one argument.
         dtype: the true-precision parameter dtype, to which floating inputs are cast as Lightning does.
-        notes: where to say which integer or boolean tensors have no values (given as shapes, or drawn at random
-            by the batch callable under fake tensors).
+        notes: where to say which integer or boolean tensors have no values (given as shapes, or made by the
+            batch callable with more than :data:`KNOWN_ELEMENTS` elements).
 
     Returns:
         The batch with every tensor fake.
@@ -245,7 +245,9 @@ def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, notes: 
     """
     given = batch
     if callable(batch) and not isinstance(batch, (Tensor, torch.Size)):
-        batch = batch(module) if _arity(batch) == 1 else batch()
+        # token ids and labels drawn at random are real (the user's generator is put back), so they have values
+        with torch.random.fork_rng(devices=[]), KnownValues(None, random=True):
+            batch = batch(module) if _arity(batch) == 1 else batch()
 
     def shape(size: torch.Size) -> Tensor:
         if any(dim < 0 for dim in size):
@@ -267,8 +269,8 @@ def fake_batch(batch: Any, module: nn.Module, dtype: torch.dtype | None, notes: 
     if unknown and notes is not None:
         shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in unknown[:3])
         notes.append(
-            f"the batch's integer or boolean tensor(s) {shapes} have no values (given as shapes, or drawn at random"
-            " under fake tensors): code that branches on them takes the path for unknown values, as in tracing"
+            f"the batch's integer or boolean tensor(s) {shapes} have no values (given as shapes, or too large to"
+            " make for real): code that branches on them takes the path for unknown values, as in tracing"
             " (transformers then builds an explicit attention mask, as for a padded batch); pass real tensors"
             " for the real path"
         )

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_memtenants._private import FakeTensor, constant_factories, real_as_fake, unset_fake
+from lightning_memtenants._private import FakeTensor, real_as_fake, tensor_factories, unset_fake
 from lightning_memtenants.core.tracker import LiveTensorTracker
 
 # The most elements a real tensor may have for an operator on it to run for real: masks and index tensors,
@@ -98,6 +98,8 @@ class KnownValues(TorchFunctionMode):
         limit: the most elements of a tensor computed for real.
         device: the device a small constant is made on where its call names none (``"cpu"`` under a
             ``torch.device("meta")`` context, which would make it meta); ``None`` leaves the call as it is.
+        random: whether random numbers are drawn for real too (a batch callable's, under ``torch.random.fork_rng``);
+            by default they stay fake, as drawing them would move the user's generator.
     """
 
     def __init__(
@@ -106,13 +108,15 @@ class KnownValues(TorchFunctionMode):
         tracker: LiveTensorTracker | None = None,
         limit: int = KNOWN_ELEMENTS,
         device: str | None = None,
+        random: bool = False,
     ) -> None:
         super().__init__()
+        self.random = random
         self.mode = mode
         self.tracker = tracker
         self.limit = limit
         self.device = device
-        self.factories = constant_factories()
+        self.factories = tensor_factories()
         self.real_calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -123,7 +127,7 @@ class KnownValues(TorchFunctionMode):
                 known.append(tensor)
             else:
                 fake = True
-        if not fake and not _random(func) and (known or self._small_constant(func, args, kwargs)):
+        if not fake and (self.random or not _random(func)) and (known or self._small_constant(func, args, kwargs)):
             self.real_calls += 1
             if not known and self.device is not None and kwargs.get("device") is None:
                 kwargs = {**kwargs, "device": self.device}
