@@ -188,7 +188,6 @@ def test_lightning_s_demo_transformer_is_predicted_without_a_word_from_torch() -
         import functools, torch
         from lightning.pytorch.demos import LightningTransformer
         from lightning_memtenants import predict
-from lightning_memtenants.cli import main
         idx = torch.randint(0, 100, (2, 16))
         report = predict(functools.partial(LightningTransformer, vocab_size=100), (idx, idx))
         print(report.tenants_bytes["weights"])
