@@ -8,7 +8,8 @@ Modes: ``ddp`` (Adam; then ZeroRedundancyOptimizer with gradient_as_bucket_view=
 ``fault`` (the census fails on rank 1 only: both ranks must finish), ``crash`` (rank 1's training_step
 raises: the run must end, not hang), ``oom-one`` and ``oom-both`` (``torch.OutOfMemoryError`` on rank 1, or
 on both: the run ends and each failing rank writes its own postmortem), ``oom-plain`` (``oom-one`` without the
-callback, to time against).
+callback, to time against), ``budget`` (ranks train on sequences of different lengths under a budget: the
+largest batch logged is the minimum over ranks).
 """
 
 from __future__ import annotations
@@ -68,6 +69,52 @@ class Net(L.LightningModule):
 
             return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Tokens(L.LightningModule):
+    """Embedding, Linear, head over token ids; rank r trains on sequences of 8 x (1 + r) tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.hidden, self.head = nn.Embedding(100, 64), nn.Linear(64, 64), nn.Linear(64, 100)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        (tokens,) = batch
+        logits = self.head(torch.tanh(self.hidden(self.embed(tokens))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        length = 8 * (1 + self.global_rank)
+        tokens = torch.randint(0, 100, (64, length), generator=torch.Generator().manual_seed(self.global_rank))
+        return DataLoader(TensorDataset(tokens), batch_size=8)
+
+
+def fit_budget() -> dict[str, Any]:
+    """Both ranks under a 4 MiB budget: each rank's own largest batch, and what rank zero logged."""
+    cb = MemoryTenantsCallback(print_summary=False, budget_bytes="4MiB")
+    logger = RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[cb],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tokens())
+    return {
+        "own": cb.max_batch_size(cb.budget),  # with an argument: this rank's answer
+        "all": cb.max_batch_size(),  # without: the minimum over ranks, logged last
+        "logged": [metrics.get("memtenants/max_batch_size") for _, metrics in logger.logged],
+    }
 
 
 def fit(
@@ -140,6 +187,14 @@ def main() -> None:
 
         TenantCounter.count = failing  # type: ignore[method-assign]
     results: dict[str, Any] = {}
+    if mode == "budget":
+        results["budget"] = fit_budget()
+        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if mode.startswith("oom"):  # oom-one, oom-both, oom-plain (rank 1, without the callback): the run must end
         # the postmortem goes to the default directory, the one ``trainer.log_dir`` names (here the working one)
         fit(oom="one" if mode == "oom-plain" else mode.removeprefix("oom-"), ours=mode != "oom-plain")

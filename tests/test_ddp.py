@@ -179,3 +179,13 @@ def test_each_failing_rank_writes_its_own_postmortem(tmp_path: Path) -> None:
             .read_text()
             .startswith(f"memtenants OOM postmortem: step 2, rank {rank}, OutOfMemoryError")
         )
+
+
+def test_the_largest_batch_logged_is_the_minimum_over_ranks(tmp_path: Path) -> None:
+    """Rank 1 trains on sequences twice as long as rank 0's, so it fits about half the batch; rank zero logs that."""
+    done = launch("budget", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["budget"] for r in (0, 1))
+    assert rank1["own"] < rank0["own"] <= 2 * rank1["own"] + 2
+    assert rank0["logged"] == [rank1["own"]] * 2  # steps 0 and 1, both logging steps
+    assert rank0["all"] == rank1["all"] == rank1["own"]

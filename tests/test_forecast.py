@@ -97,7 +97,7 @@ def test_max_batch_size_matches_bisection_with_real_runs() -> None:
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid, budget) else (low, mid)
-    predicted = forecast_from([256, 512]).max_batch_size(budget)
+    predicted = forecast_from([256, 512]).max_batch_size(budget, margin=0.0)  # the OOM comes at the budget itself
     assert abs(predicted - low) <= 0.05 * low, (predicted, low)
 
 

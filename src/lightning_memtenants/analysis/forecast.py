@@ -8,16 +8,110 @@ longer sequences count as well as more samples). From one observed size the slop
 off that step (what the forward allocated, the activations, the batch); from two or more
 sizes it is the secant through the two largest sizes, never below the slope read off the
 latest step.
+
+A first optimizer step is projected to the steady state before it is fitted: it lacks the
+optimizer state that its own ``step()`` creates, in every window before the optimizer step,
+and in its forward the previous step's gradients, which a later step still holds there
+(Lightning zeroes them after the forward). Both are read off the step's own per-phase
+tenants.
+
+A line is a guess: a window's peak is a maximum of linear pieces in the batch, and the piece
+that leads at the measured size need not lead at the answer. Where an exact answer is at hand
+(:attr:`PeakForecast.exact`: dry runs of the step, see ``predict.dryrun.sweep`` and the
+callback), :meth:`PeakForecast.max_batch_size` and :meth:`PeakForecast.predict_peak_bytes`
+give it, and the line only seeds the search.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import positive_int, positive_number
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.units import parse_bytes
+
+# The windows before the optimizer step, which a first step runs without the optimizer state its step creates.
+_BEFORE_STEP = ("before_backward", "after_backward", "before_optimizer_step")
+# The largest batch where the peak does not grow with the batch.
+UNBOUNDED = 2**31 - 1
+
+
+class ExactPeaks(Protocol):
+    """Exact answers for one batch shape, by dry runs of the step (``predict.dryrun``), that a forecast gives first.
+
+    Attributes:
+        elements_per_sample: input elements per sample of the batch shape the answers are for.
+    """
+
+    elements_per_sample: float
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """The steady-state step's peak at ``batch_size`` samples."""
+        ...
+
+    def largest(self, limit_bytes: int, guess: int | None) -> int:
+        """The largest batch whose steady-state peak is at most ``limit_bytes`` (``guess``: where to start)."""
+        ...
+
+
+def first_step_shortfall(report: StepReport) -> dict[str, int]:
+    """What each window of a first optimizer step lacked against a steady-state step, in bytes.
+
+    The first step's ``step()`` creates the optimizer state (Adam's moments), so every window before it ran
+    without that state; and its forward ran without the previous step's gradients, which a steady-state
+    forward still holds (Lightning zeroes them after the forward, in its closure). Both are read off the
+    step's own tenants: the state at ``batch_end`` less the state at each phase, and the gradients at their
+    high less those at ``batch_start``.
+
+    Args:
+        report: a step.
+
+    Returns:
+        Bytes to add to each window's peak (``before_backward``, ...); empty for a steady-state step, one whose
+        optimizer state did not grow and that is not the first (step 0).
+    """
+    phases = report.phases
+    start = report.micro_batches[0].get("batch_start") if report.micro_batches else phases.get("batch_start")
+    end = phases.get("batch_end")
+    if start is None or end is None:
+        return {}
+    state = end.tenants_bytes["optimizer_state"]
+    if state <= start.tenants_bytes["optimizer_state"] and report.step != 0:
+        return {}
+    gradients = max(p.tenants_bytes["gradients"] for p in phases.values())
+    out = {n: max(state - phases[n].tenants_bytes["optimizer_state"], 0) for n in _BEFORE_STEP if n in phases}
+    if "before_backward" in out:
+        out["before_backward"] += max(gradients - start.tenants_bytes["gradients"], 0)
+    return {name: extra for name, extra in out.items() if extra}
+
+
+def limit_bytes(budget_bytes: int | str | float, margin: float = 0.05) -> int:
+    """The one margin rule of every largest-batch answer: ``Budget(budget_bytes, margin).limit_bytes``.
+
+    Args:
+        budget_bytes: bytes (an int of 0 or more), or a string like ``"24GiB"`` (``units.parse_bytes``).
+        margin: the fraction of the budget kept free, in [0, 1).
+
+    Returns:
+        What a step may reach: the budget less the margin, in bytes.
+
+    Raises:
+        ValueError: naming ``budget_bytes`` or ``margin`` and what each accepts.
+    """
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin must be a fraction of the budget in [0, 1), got {margin!r}")
+    if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool) and budget_bytes >= 0:
+        total = budget_bytes
+    elif isinstance(budget_bytes, (str, float)) and not isinstance(budget_bytes, bool):
+        total = parse_bytes(budget_bytes, "budget_bytes")
+    else:
+        raise ValueError(
+            f"budget_bytes must be a whole number of bytes, 0 or more, or a string like '24GiB', got {budget_bytes!r}"
+        )
+    return Budget(total, float(margin)).limit_bytes
 
 
 def _slope_hints(report: StepReport, batch_bytes: int) -> dict[str, float]:
@@ -48,7 +142,10 @@ class _Line:
 
         A window's peak is the highest of several moments (the largest gradient, the activations
         plus their gradients, ...), so it grows piecewise linearly and more steeply at larger
-        batches; the secant at the top extrapolates best.
+        batches. The secant at the top extrapolates best within a piece, but two small sizes often
+        sit on a piece that a steeper one overtakes later (the seed model's backward from batches
+        64 and 128 extrapolates 15% too far); the hint, read off the top size's tenants (the
+        activations and their gradients), is the floor that keeps the line from answering too large.
         """
         xs = sorted(self.points)
         top = xs[-1]
@@ -67,17 +164,20 @@ class PeakForecast:
         forecast = PeakForecast()
         forecast.observe(report, elements, batch_bytes, samples)  # after each measured step
         forecast.predict_peak_bytes(256)
-        forecast.max_batch_size(24 * 2**30)
+        forecast.max_batch_size("24GiB")  # 24 GiB less a 5% margin
 
     Attributes:
         elements_per_sample: the most input elements per sample seen so far (the longest sample).
         largest_elements: the most input elements of any batch seen so far.
+        exact: exact answers by dry runs, for one batch shape, or None (the lines answer). Set by
+            ``predict.dryrun.sweep`` and by the callback; not saved by :meth:`state_dict`.
     """
 
     def __init__(self) -> None:
         self._lines: dict[str, _Line] = {}
         self.elements_per_sample = 0.0
         self.largest_elements = 0
+        self.exact: ExactPeaks | None = None
 
     @property
     def ready(self) -> bool:
@@ -92,7 +192,8 @@ class PeakForecast:
     def observe(self, report: StepReport, elements: int, batch_bytes: int, samples: int) -> None:
         """Add one measured step; the latest step at a given size replaces earlier ones.
 
-        A step whose peak was not measured, or a batch without elements, is ignored.
+        A first optimizer step is projected to the steady state (:func:`first_step_shortfall`) before it is
+        fitted. A step whose peak was not measured, or a batch without elements, is ignored.
 
         Args:
             report: the step's report.
@@ -105,20 +206,23 @@ class PeakForecast:
         self.elements_per_sample = max(self.elements_per_sample, elements / max(samples, 1))
         self.largest_elements = max(self.largest_elements, elements)
         hints = _slope_hints(report, batch_bytes)
+        shortfall = first_step_shortfall(report)
         for name, phase in report.phases.items():
             if phase.window_peak_bytes is None or name == "batch_start":
                 continue
             line = self._lines.setdefault(name, _Line())
-            line.points[elements] = phase.window_peak_bytes
+            line.points[elements] = phase.window_peak_bytes + shortfall.get(name, 0)
             line.hint = hints.get(name, batch_bytes) / elements
 
     def predict_peak_bytes(self, batch_size: int, elements_per_sample: float | None = None) -> int | None:
-        """The predicted step peak for ``batch_size`` samples (at the longest sample seen so far).
+        """The predicted steady-state step peak for ``batch_size`` samples (at the longest sample seen so far).
+
+        Exact where :attr:`exact` answers for that sample size; else the lines'.
 
         Args:
             batch_size: samples in the batch, a positive integer.
-            elements_per_sample: input elements per sample (the sequence length, say); ``None``
-                uses the longest sample seen so far.
+            elements_per_sample: input elements per sample (the sequence length, say); ``None`` uses the
+                longest sample seen so far.
 
         Returns:
             The predicted peak in bytes, or ``None`` before any measured step.
@@ -129,13 +233,16 @@ class PeakForecast:
         batch_size = positive_int(batch_size, "batch_size")
         if elements_per_sample is not None:
             elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
+        exact = self._exact_for(elements_per_sample)
+        if exact is not None:
+            return exact.peak_bytes(batch_size)
         if not self._lines:
             return None
         x = batch_size * (elements_per_sample or self.elements_per_sample)
         return self.predict_for_elements(x)
 
     def predict_for_elements(self, elements: float, windows: tuple[str, ...] | None = None) -> int | None:
-        """The predicted peak for a batch of ``elements`` input elements, over all or some windows.
+        """The lines' predicted peak for a batch of ``elements`` input elements, over all or some windows.
 
         Args:
             elements: input elements in the batch.
@@ -149,23 +256,55 @@ class PeakForecast:
             return None
         return int(max(a + s * elements for a, s in (line.fit() for line in lines)))
 
-    def max_batch_size(self, budget_bytes: int, elements_per_sample: float | None = None) -> int | None:
-        """The largest batch whose predicted peak fits ``budget_bytes``.
+    def max_batch_size(
+        self, budget_bytes: int | str, elements_per_sample: float | None = None, *, margin: float = 0.05
+    ) -> int | None:
+        """The largest batch whose steady-state peak fits ``budget_bytes`` less the ``margin``.
+
+        The one rule for every answer: ``Budget(budget_bytes, margin).limit_bytes``. Exact where
+        :attr:`exact` answers for that sample size (the lines' answer seeds its search); else the lines'.
 
         Args:
-            budget_bytes: the memory the step may use, in bytes.
+            budget_bytes: the memory the step may use: bytes, or a string like ``"24GiB"``.
             elements_per_sample: input elements per sample; ``None`` uses the longest seen so far.
+            margin: the fraction of the budget kept free, in [0, 1).
 
         Returns:
             The batch size (0 if none fits, ``2**31 - 1`` if the peak does not grow with the batch),
-            or ``None`` before any measured step.
+            or ``None`` before any measured step (and without an exact answer).
 
         Raises:
-            ValueError: if ``budget_bytes`` is not an int of 0 or more, or ``elements_per_sample`` is not a
-                positive number.
+            ValueError: if ``budget_bytes`` is not a number of bytes (0 or more) or such a string, ``margin`` not
+                in [0, 1), or ``elements_per_sample`` not a positive number.
         """
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be a whole number of bytes, 0 or more, got {budget_bytes!r}")
+        limit = limit_bytes(budget_bytes, margin)
+        if elements_per_sample is not None:
+            elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
+        exact = self._exact_for(elements_per_sample)
+        guess = self.line_batch_size(limit, elements_per_sample, margin=0.0)
+        if exact is not None:
+            return exact.largest(limit, guess)
+        return guess
+
+    def line_batch_size(
+        self, budget_bytes: int | str, elements_per_sample: float | None = None, *, margin: float = 0.05
+    ) -> int | None:
+        """The largest batch whose peak, as the lines predict it, fits ``budget_bytes`` less the ``margin``.
+
+        What :meth:`max_batch_size` answers without an exact answer, and where its search starts.
+
+        Args:
+            budget_bytes: the memory the step may use: bytes, or a string like ``"24GiB"``.
+            elements_per_sample: input elements per sample; ``None`` uses the longest seen so far.
+            margin: the fraction of the budget kept free, in [0, 1).
+
+        Returns:
+            As :meth:`max_batch_size`; ``None`` before any measured step.
+
+        Raises:
+            ValueError: as :meth:`max_batch_size`.
+        """
+        limit = limit_bytes(budget_bytes, margin)
         if elements_per_sample is not None:
             elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
         if not self._lines:
@@ -173,11 +312,19 @@ class PeakForecast:
         per_sample = elements_per_sample or self.elements_per_sample
         best = math.inf
         for a, s in (line.fit() for line in self._lines.values()):
-            if a > budget_bytes:
+            if a > limit:
                 return 0
             if s > 0:
-                best = min(best, (budget_bytes - a) / (s * per_sample))
-        return 2**31 - 1 if best == math.inf else int(best)
+                best = min(best, (limit - a) / (s * per_sample))
+        return UNBOUNDED if best == math.inf else int(min(best, UNBOUNDED))
+
+    def _exact_for(self, elements_per_sample: float | None) -> ExactPeaks | None:
+        """The exact answers, where they are for samples of ``elements_per_sample`` (None: the longest seen)."""
+        exact = self.exact
+        if exact is None:
+            return None
+        wanted = elements_per_sample or self.elements_per_sample or exact.elements_per_sample
+        return exact if math.isclose(wanted, exact.elements_per_sample) else None
 
     def state_dict(self) -> dict[str, Any]:
         """What the forecast has learnt, as plain types, so that a resumed run goes on from it."""

@@ -158,10 +158,13 @@ class MemoryTenantsCallback(Callback):
         self._stepped = False
         self._open_batch = False
         self._logging_step = False
+        self._cadence_step = False  # a step Lightning logs (measured), whether or not there is a logger
         self._step = 0
         self._last_step: int | None = None
         self._rank, self._world_size = 0, 1
         self._ranks: list[list[float]] = []
+        self._logged_max_batch_size: int | None = None  # under DDP: the minimum over ranks, last logged
+        self._gathered = False
 
     # -- the public surface ----------------------------------------------------------------------
 
@@ -213,7 +216,10 @@ class MemoryTenantsCallback(Callback):
         return None if self._source is None else self._source.run_peak_bytes
 
     def predict_peak_bytes(self, batch_size: int) -> int | None:
-        """The predicted step peak for ``batch_size`` samples, from the steps measured so far.
+        """The predicted steady-state step peak for ``batch_size`` samples, from the steps measured so far.
+
+        Exact where dry runs of the run's own step can run (as :meth:`max_batch_size`): the dry run's peak at
+        that size, plus what the measured step saw the process hold besides the step; else the forecast's lines.
 
         Args:
             batch_size: samples in the batch, a positive integer.
@@ -224,12 +230,24 @@ class MemoryTenantsCallback(Callback):
         Raises:
             ValueError: if ``batch_size`` is not a positive integer.
         """
-        return self.forecast.predict_peak_bytes(positive_int(batch_size, "batch_size"))
+        return self._alerts.predict_peak_bytes(positive_int(batch_size, "batch_size"))
 
     def max_batch_size(
         self, budget_bytes: int | str | None = None, *, elements_per_sample: float | None = None
     ) -> int | None:
-        """The largest batch whose predicted peak fits the budget (after the margin).
+        """The largest batch whose steady-state peak fits the budget less the margin (``budget x (1 - margin)``).
+
+        From the first measured step on, the answer is exact where it can be: dry runs of the run's own
+        LightningModule step (``predict.dryrun.largest_batch_size``: two steps, the trainer's precision, the
+        measured batch resized), seeded by the forecast and calibrated by the measured step (its peak less the
+        dry run's at its size is what the process holds besides the step, taken off the budget). It runs once
+        per budget and batch shape; a failure warns once and the forecast's lines answer from then on, as they
+        do under a sharded strategy, a precision or device a dry run does not know, or for an
+        ``elements_per_sample`` other than the measured batch's. A new budget after fit needs nothing of the
+        run: the search keeps a copy of the model on the meta device (no memory), never the model.
+
+        Under DDP, without arguments, it is the answer logged last: the minimum over ranks, which hold
+        different batches (gathered on logging steps, with a logger). With arguments it is this rank's.
 
         Args:
             budget_bytes: bytes or a string like ``"80GiB"``; ``None`` uses the run's budget.
@@ -245,6 +263,8 @@ class MemoryTenantsCallback(Callback):
         budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         if elements_per_sample is not None:
             elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
+        if self._gathered and budget is None and elements_per_sample is None:
+            return self._logged_max_batch_size
         return self._alerts.max_batch_size(budget, elements_per_sample)
 
     @override
@@ -281,6 +301,7 @@ class MemoryTenantsCallback(Callback):
         self._close(release=True)
         self.latest = self.latest_measured = self.first = None
         self._open_batch, self._last_step, self._step, self._ranks = False, None, 0, []
+        self._logged_max_batch_size, self._gathered = None, False
         self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
         # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
         # path (the postmortem) must never call a collective while another rank waits in backward
@@ -312,6 +333,11 @@ class MemoryTenantsCallback(Callback):
         else:
             self._step_bound = MANUAL_ACCUMULATION_BOUND if real else 1
         self._alerts.set_budget(self.budget_bytes or device_budget_bytes(pl_module.device))
+        why = self._alerts.attach(
+            pl_module, precision=str(trainer.precision), device=pl_module.device, strategy=trainer.strategy
+        )
+        if why is not None and self._alerts.budget is not None:
+            rank_zero_info(f"memtenants: max_batch_size answers from the forecast's lines: {why}")
         self._postmortem.start(pl_module.device)
         self._logs.open(trainer)
 
@@ -330,6 +356,7 @@ class MemoryTenantsCallback(Callback):
             self._stepped = False
             self._step = self._step_number(trainer)
             logged = self._logs.logs_next_step(trainer)
+            self._cadence_step = logged
             self._logging_step = logged and bool(trainer.loggers)
             monitor.measure = self.track_every_step or logged
         self._alerts.batch_start(batch, batch_idx)
@@ -375,20 +402,24 @@ class MemoryTenantsCallback(Callback):
             return
         report = monitor.end_step(self._step)
         self._last_step = self._step
+        if report is not None:
+            self.latest = report
+            if report.peak_bytes is not None:
+                self.latest_measured = report
+            if self.first is None:
+                self.first = report
+            self._alerts.step_end(report, batch if self._cadence_step else None)
+        largest = self._alerts.logged_max_batch_size() if self._logging_step else None
         if trainer.world_size > 1 and self._logging_step:
-            # every rank takes part on the same steps, whatever its own measurement did, so none waits
-            self._ranks = gather_or_warn(trainer.strategy, report, rank_zero_warn)
+            # every rank takes part on the same steps, whatever its own measurement did, so none waits; the
+            # largest batch every rank fits is the minimum over ranks
+            gathered = gather_or_warn(trainer.strategy, report, rank_zero_warn, largest)
+            self._ranks, largest = gathered.rows, gathered.max_batch_size
+            self._logged_max_batch_size, self._gathered = largest, True
         if report is None:
             return
-        self.latest = report
-        if report.peak_bytes is not None:
-            self.latest_measured = report
-        if self.first is None:
-            self.first = report
-        self._alerts.step_end(report)
         headroom = self._alerts.headroom_bytes(report)
         if self._logging_step:
-            largest = self._alerts.max_batch_size()
             self._logs.log(
                 trainer,
                 report,
@@ -415,8 +446,19 @@ class MemoryTenantsCallback(Callback):
         if latest is None:
             return
         reports = [latest] if self.first in (None, latest) else [self.first, latest]  # type: ignore[list-item]
+        largest, how = None, ""
+        if self.print_summary and self.budget is not None:  # the line printed under the tables
+            largest = self._logged_max_batch_size if self._gathered else self._alerts.logged_max_batch_size()
+            how = self._alerts.how_found() + (", the minimum over ranks" if self._gathered else "")
         self._logs.fit_end(
-            trainer, reports, self.latest_measured or latest, self.budget, print_summary=self.print_summary
+            trainer,
+            reports,
+            self.latest_measured or latest,
+            self.budget,
+            print_summary=self.print_summary,
+            max_batch_size=largest,
+            margin=self.margin,
+            how=how,
         )
 
     @override

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_memtenants._private import batches_that_stepped
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
-from lightning_memtenants.render.table import format_table
+from lightning_memtenants.render.table import fits_text, format_table
 from lightning_memtenants.render.tags import budget_metrics, metrics, rank_metrics
 from lightning_memtenants.render.tensorboard import TensorBoardPanels
 from lightning_memtenants.units import MiB
@@ -112,7 +112,8 @@ class Logs:
             trainer: the Trainer whose loggers get the scalars.
             report: the step.
             headroom_bytes: the budget less the step's peak, or None.
-            max_batch_size: the forecast's largest batch, or None.
+            max_batch_size: the largest batch that fits the budget less the margin (under DDP the minimum over
+                ranks), or None.
             ranks: every rank's figures (see ``gather_ranks``); empty in a single-process run.
             budget_bytes: the budget, drawn in the desk picture, or None.
         """
@@ -144,6 +145,9 @@ class Logs:
         budget_bytes: int | None,
         *,
         print_summary: bool = True,
+        max_batch_size: int | None = None,
+        margin: float = 0.05,
+        how: str = "",
     ) -> None:
         """The summary and the desk picture, at the end of fit, and the tables printed.
 
@@ -152,13 +156,21 @@ class Logs:
             reports: the steps to summarise (the first and the last).
             desk: the step to draw.
             budget_bytes: the budget, or None.
-            print_summary: also print each report's table (rank zero's notice).
+            print_summary: also print each report's table (rank zero's notice), and the largest batch.
+            max_batch_size: the largest batch that fits the budget less the margin, or None.
+            margin: the margin it was found under.
+            how: how it was found, in words (``"exact, by dry runs of the step"``).
         """
         if self.panels is not None:
             self.panels.on_fit_end(reports, batches_that_stepped(trainer), budget_bytes, desk)
         if print_summary:
             for report in reports:
                 self._info(format_table(report, budget_bytes))
+            if max_batch_size is not None and budget_bytes is not None:
+                self._info(
+                    f"memtenants: the largest batch is {max_batch_size:,} samples: a steady-state step"
+                    f" {fits_text(budget_bytes, margin)}{f'; {how}' if how else ''}"
+                )
 
     def postmortem(self, trainer: pl.Trainer, record: dict[str, Any], latest: StepReport | None) -> None:
         """The postmortem, as text in TensorBoard.

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from lightning_memtenants._private import lightning_optimizers
-from lightning_memtenants.analysis.forecast import PeakForecast
+from lightning_memtenants.analysis.forecast import UNBOUNDED, PeakForecast, limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import TrackerSource
@@ -255,13 +255,16 @@ def sweep(
     """Predict at several batch sizes and fit the peak forecast: the largest batch for a budget, with no GPU.
 
     The forecast is the same as training fits from measured steps, so a plan made before training
-    reads the same as one made during it.
+    reads the same as one made during it. Its answers are exact: it keeps the model and
+    ``make_batch``, so that ``forecast.max_batch_size`` is :func:`largest_batch_size`'s answer (the
+    line only seeds the search) and ``forecast.predict_peak_bytes`` a dry run at that size.
 
     Args:
         model: as for :func:`predict`.
         make_batch: builds the batch for a batch size, as :func:`predict` takes it.
         batch_sizes: the sizes to predict at, positive integers.
-        **options: see :class:`PredictOptions`, the same for every size.
+        **options: see :class:`PredictOptions`, the same for every size; ``steps`` defaults to 2 here, so
+            that each report is a steady-state step (the optimizer state and the previous gradients resident).
 
     Returns:
         The fitted forecast, and each size's prediction in order.
@@ -272,99 +275,130 @@ def sweep(
     Example::
 
         forecast, _ = sweep(SeedMLP(), lambda b: torch.Size([b, 1024]), (256, 512))
-        forecast.max_batch_size(24 * 2**30)
+        forecast.max_batch_size("24GiB")  # 24 GiB less a 5% margin, as largest_batch_size answers
     """
-    if len(batch_sizes) < 1 or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+    if len(batch_sizes) < 1 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
+    options = {"steps": 2, **options}  # type: ignore[assignment]
     forecast = PeakForecast()
     predictions = []
+    exact = _DryRunPeaks(model, make_batch, options, UNBOUNDED)
     for size in batch_sizes:
         prediction = dry_run(model, make_batch(size), **options)
         forecast.observe(prediction.report, prediction.batch_elements, prediction.batch_bytes, size)
+        exact.seen[size] = prediction.report.peak_bytes or 0
+        exact.elements_per_sample = prediction.batch_elements / size
         predictions.append(prediction)
+    forecast.exact = exact
     return forecast, predictions
 
 
 def largest_batch_size(
     model: ModelArg,
     make_batch: Callable[[int], Any],
-    budget_bytes: int,
+    budget_bytes: int | str,
     *,
+    margin: float = 0.05,
     start: int = 1,
     limit: int = 2**24,
     **options: Unpack[PredictOptions],
 ) -> int:
-    """The largest batch whose predicted peak fits ``budget_bytes``: exact, where a forecast line is not.
+    """The largest batch whose steady-state peak fits ``budget_bytes`` less the ``margin``: exact, by dry runs.
 
-    A step's peak is a maximum of linear pieces in the batch size, and the piece that leads at
-    small batches (the optimizer step, say) hides a steeper one that leads later (backward).
-    So the search predicts at the sizes it guesses, secant first and halving when that stalls,
-    until the answer fits and one more sample does not. Each guess is one dry run.
+    The one rule of every answer to "what is the largest batch" (the callback's ``max_batch_size``,
+    :func:`sweep`'s forecast, the command's ``--budget``): a step may reach
+    ``Budget(budget_bytes, margin).limit_bytes``. A step's peak is a maximum of linear pieces in the
+    batch size, and the piece that leads at small batches (the optimizer step, say) hides a steeper one
+    that leads later (backward); so no line is trusted. The search reads the slope of the piece at a
+    size off that size and the next, steps to where that piece meets the limit, and stops where a size
+    fits and one more sample does not (halving where a step says nothing). Each size is one dry run;
+    from a good ``start`` the answer takes two to four.
 
     Args:
         model: as for :func:`predict`.
         make_batch: builds the batch for a batch size, as :func:`predict` takes it.
-        budget_bytes: the memory to fit, in bytes.
-        start: the first size to try, a positive integer (a size known to fit saves dry runs).
+        budget_bytes: the memory to fit: bytes, or a string like ``"24GiB"``.
+        margin: the fraction of ``budget_bytes`` kept free, in [0, 1) (default 5%, the callback's); ``0`` fits
+            ``budget_bytes`` itself.
+        start: the first size to try, a positive integer (a good guess saves dry runs).
         limit: the largest size searched.
-        **options: see :class:`PredictOptions`, the same for every size.
+        **options: see :class:`PredictOptions`, the same for every size; ``steps`` defaults to 2 here, so that
+            the steady-state step is what must fit (the first step holds no optimizer state in its forward
+            and backward, and no previous gradients in its forward, so it fits larger batches).
 
     Returns:
-        The largest batch size whose peak is at most ``budget_bytes`` (``limit`` if that fits), or
-        0 if even a batch of 1 does not fit.
+        The largest batch size whose peak is at most the limit (``limit`` if that fits), or 0 if even a
+        batch of 1 does not fit.
 
     Raises:
-        ValueError: if ``budget_bytes`` or ``start`` is not a positive integer, or as :func:`dry_run`.
+        ValueError: if ``budget_bytes`` is not a number of bytes or such a string, ``margin`` not in [0, 1),
+            ``start`` or ``limit`` not a positive integer, or as :func:`dry_run`.
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-    if isinstance(start, bool) or not isinstance(start, int) or start < 1:
-        raise ValueError(f"start must be a positive integer, got {start!r}")
-    seen: dict[int, int] = {}
-
-    def peak(size: int) -> int:
-        if size not in seen:
-            seen[size] = dry_run(model, make_batch(size), **options).report.peak_bytes or 0
-        return seen[size]
-
-    if peak(start) > budget_bytes:
-        if start == 1:
-            return 0
-        return largest_batch_size(model, make_batch, budget_bytes, start=1, limit=start, **options)
-    lo, hi = start, None
-    size = 2 * start
-    while hi is None:  # grow by secant steps from the last two sizes until one does not fit
-        if size >= limit:
-            return limit if peak(limit) <= budget_bytes else _bisect(peak, budget_bytes, lo, limit)
-        if peak(size) <= budget_bytes:
-            lo, size = size, max(_secant(seen, lo, budget_bytes), 2 * size)
-        else:
-            hi = size
-    return _bisect(peak, budget_bytes, lo, hi)
+    budget = limit_bytes(budget_bytes, margin)
+    for name, value in (("start", start), ("limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    options = {"steps": 2, **options}  # type: ignore[assignment]
+    return _DryRunPeaks(model, make_batch, options, limit).largest(budget, start)
 
 
-def _secant(seen: dict[int, int], at: int, budget: int) -> int:
-    below = [s for s in seen if s < at]
-    if not below:
-        return 2 * at
-    other = max(below)
-    slope = (seen[at] - seen[other]) / (at - other)
-    return int(at + (budget - seen[at]) / slope) + 1 if slope > 0 else 2 * at
+class _DryRunPeaks:
+    """Steady-state peaks by dry runs, each size run once: the exact answers of :func:`sweep`'s forecast."""
+
+    def __init__(self, model: ModelArg, make_batch: Callable[[int], Any], options: PredictOptions, limit: int) -> None:
+        self.model, self.make_batch, self.options, self.limit = model, make_batch, options, limit
+        self.seen: dict[int, int] = {}
+        self.elements_per_sample = 0.0
+
+    def peak_bytes(self, batch_size: int) -> int:
+        if batch_size not in self.seen:
+            prediction = dry_run(self.model, self.make_batch(batch_size), **self.options)
+            self.seen[batch_size] = prediction.report.peak_bytes or 0
+        return self.seen[batch_size]
+
+    def largest(self, limit_bytes: int, guess: int | None) -> int:
+        return _bisect(self.peak_bytes, limit_bytes, max(1, min(guess or 1, self.limit)), self.limit)
 
 
-def _bisect(peak: Callable[[int], int], budget: int, lo: int, hi: int) -> int:
-    """``lo`` fits and ``hi`` does not; interpolate, then halve, until they are neighbours."""
+def _secant(peak: Callable[[int], int], budget: int, at: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """Where the piece of the peak through ``at`` meets the budget, from the slope between ``at`` and a neighbour.
+
+    The neighbour is the next size where ``at`` fits, the one before where it does not: that reading also
+    tells whether ``at`` is the answer. A peak that is a maximum of linear pieces lies on or above each
+    piece's line, so the size this returns is never far on the wrong side.
+
+    Returns:
+        The new ``lo`` (fits, or 0) and ``hi`` (does not fit), and the next size to try (may fall outside them).
+    """
+    here = peak(at)
+    if here <= budget:
+        lo = at
+        if at + 1 >= hi:
+            return lo, hi, at
+        after = peak(at + 1)
+        if after > budget:
+            return lo, at + 1, at
+        lo, slope = at + 1, after - here
+        return lo, hi, (lo + (budget - after) // slope if slope > 0 else 2 * lo)
+    hi = at
+    if at - 1 <= lo:
+        return lo, hi, at
+    before = peak(at - 1)
+    if before <= budget:
+        return at - 1, hi, at
+    hi, slope = at - 1, here - before
+    return lo, hi, (hi - -(-(before - budget) // slope) if slope > 0 else (lo + hi) // 2)
+
+
+def _bisect(peak: Callable[[int], int], budget: int, start: int, limit: int) -> int:
+    """The largest size in [1, ``limit``] whose peak fits ``budget``, from ``start``: secant steps, else halving."""
+    lo, hi, size = 0, limit + 1, start  # lo fits (0: none known to), hi does not (limit + 1: past the search)
     while hi - lo > 1:
-        guess = lo + (budget - peak(lo)) * (hi - lo) // max(peak(hi) - peak(lo), 1)
-        guess = min(max(guess, lo + 1), hi - 1)
-        if peak(guess) <= budget:
-            lo = guess
-            if guess + 1 < hi and peak(guess + 1) > budget:
-                return guess
-        else:
-            hi = guess
-            if guess - 1 > lo and peak(guess - 1) <= budget:
-                return guess - 1
+        lo, hi, size = _secant(peak, budget, size, lo, hi)
+        if size <= lo:  # the piece meets the budget right above lo: the next size says whether lo is the answer
+            size = lo + 1
+        elif size >= hi:
+            size = (lo + hi) // 2
     return lo
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.names import PARTS, PHASES, TENANTS
 from lightning_memtenants.units import mib
@@ -141,3 +142,20 @@ def summary_markdown(report: StepReport, budget_bytes: int | None = None) -> str
         The table and the lines under it, as markdown.
     """
     return to_markdown(step_table(report, budget_bytes))
+
+
+def fits_text(budget_bytes: int, margin: float) -> str:
+    """What a largest batch fits, in the words every output that gives one uses.
+
+    Args:
+        budget_bytes: the budget, before the margin.
+        margin: the fraction of it kept free.
+
+    Returns:
+        For example ``"fits 24 GiB less a 5% margin (23,347.20 MiB)"``.
+    """
+    gib = 2**30
+    whole = f"{budget_bytes // gib:,} GiB" if budget_bytes >= gib and budget_bytes % gib == 0 else None
+    if whole is None:
+        whole = f"{budget_bytes / 2**20:,.0f} MiB" if budget_bytes % 2**20 == 0 else f"{mib(budget_bytes)} MiB"
+    return f"fits {whole} less a {margin:.0%} margin ({mib(Budget(budget_bytes, margin).limit_bytes)} MiB)"
