@@ -132,6 +132,16 @@ def test_a_branch_on_a_value_no_one_knows_is_one_sentence_naming_the_line() -> N
     assert isinstance(raised.value, ValueError)
 
 
+def test_a_step_that_reads_a_loss_with_numpy_is_one_sentence_too() -> None:
+    def loss(model: nn.Module, batch: Tensor) -> Tensor:
+        out = model(batch).sum()
+        print(out.detach().numpy())
+        return out
+
+    with pytest.raises(PredictionError, match=r"test_values.py:\d+ \(loss\): print\(out.detach\(\).numpy\(\)\)"):
+        predict(nn.Linear(4, 4), torch.Size([2, 4]), loss_fn=loss)
+
+
 def test_integer_tensors_given_as_shapes_are_said_to_have_no_values() -> None:
     ids = torch.empty(4, 8, dtype=torch.long, device="meta")
     report = predict(nn.Embedding(10, 4), ids, loss_fn=total)
