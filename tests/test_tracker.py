@@ -213,3 +213,26 @@ def test_a_live_tensor_whose_storage_cannot_be_read_is_left_out_not_fatal() -> N
     finally:
         tracker.stop()
     del odd
+
+
+def test_a_rewrite_hook_changes_what_an_operator_returns_before_it_is_counted() -> None:
+    """The dry run's corrections of fake kernels: the tracker counts, and the caller gets, the rewritten outputs."""
+    seen = []
+
+    def widen(func, args, kwargs, out):  # type: ignore[no-untyped-def]
+        seen.append(func._overloadpacket.__name__)
+        if func._overloadpacket.__name__ == "mul" and isinstance(out, torch.Tensor):
+            return torch.empty(out.shape, dtype=torch.float64)  # 8 bytes an element where mul made 4
+        return out
+
+    tracker = LiveTensorTracker("cpu", scan=False)  # only what the operators below make
+    tracker.rewrite = widen
+    x = torch.ones(16)
+    with tracker:
+        y = x * 2
+        z = x + 1
+        # y as rewritten (16 float64), z as made (16 float32); mul's own float32 output was never counted
+        assert tracker.current_bytes == tracker.peak_bytes == 16 * 8 + 16 * 4
+    assert y.dtype == torch.float64 and z.dtype == torch.float32
+    assert "mul" in seen and "add" in seen
+    del y, z

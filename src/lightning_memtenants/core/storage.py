@@ -95,9 +95,17 @@ def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     """
     total = 0
     add = seen.add
+    strided = torch.strided
     for tensor in tensors:
         if type(tensor) not in PLAIN:
             tensor = local_tensor(tensor)
+        if tensor.layout is strided:  # by far the most common case: one storage, no tuple built
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key not in seen:
+                add(key)
+                total += storage.nbytes()
+            continue
         for storage in storages_of(tensor):
             key = id(storage)
             if key not in seen:

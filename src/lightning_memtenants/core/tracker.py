@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import compress
 from typing import Any
 
@@ -55,6 +55,13 @@ def _live_tensors(count_fake: bool = False) -> list[Tensor]:
     }
     return list(compress(objects, map(types.__contains__, map(type, objects))))
 
+
+# Per tensor class, whether it is a traceable wrapper subclass (a DTensor, say) whose storages are its inner tensors':
+# a property of the class, asked once per class rather than once per operator.
+_WRAPPERS: dict[type, bool] = {Tensor: False}
+# What an operator returns that holds no tensor. Most operators a fake step dispatches are ``prim.device``: the
+# autograd engine asks every fake tensor's device through the dispatcher, and it returns a ``torch.device``.
+_HOLDS_NO_TENSOR = frozenset({torch.device, torch.dtype, torch.layout, int, float, bool, type(None)})
 
 _following: list[LiveTensorTracker] = []
 # The wrapper we installed over ``UntypedStorage.resize_``: (wrapper, previous was in the class's dict, previous).
@@ -154,8 +161,12 @@ class _Mode(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if type(out) in _HOLDS_NO_TENSOR:  # a query (the device a fake tensor reports, a size): nothing to count
+            return out
         tracker = self.tracker
+        if tracker.rewrite is not None:
+            out = tracker.rewrite(func, args, kwargs, out)
         if tracker.error is not None or tracker.unseen:
             return out
         before = tracker.current_bytes
@@ -202,6 +213,10 @@ class LiveTensorTracker:
         peak_bytes: the highest ``current_bytes`` since the last start.
         rounding_bytes: what the allocator model adds above the tensors' own bytes.
         error: the first failure inside an operator; from then on the tracker only passes operators through.
+        rewrite: ``None``, or ``rewrite(func, args, kwargs, out) -> out``, called on each operator's outputs that
+            can hold tensors while the tracker runs, before they are counted and returned: what a dispatch mode
+            entered just below the tracker would do (a dry run's corrections of the fake kernels), without the
+            cost of a second mode on every operator.
 
     Raises:
         ValueError: if ``count_fake`` is not a bool.
@@ -253,6 +268,12 @@ class LiveTensorTracker:
         self.unreadable = 0
         # while True, operators are not counted: a dry run's own bookkeeping (a real tensor's fake copy)
         self.unseen = False
+        # ``rewrite(func, args, kwargs, out) -> out``, called on the outputs of every operator that can hold tensors
+        # before they are counted and returned, while the tracker runs (a dry run's corrections of fake kernels)
+        self.rewrite: Callable[[Any, Any, Any, Any], Any] | None = None
+        # the devices whose storages are counted, and those that are not, as operators have shown them
+        self._counted_devices: set[torch.device] = set()
+        self._other_devices: set[torch.device] = set()
 
     @property
     def active(self) -> bool:
@@ -350,11 +371,22 @@ class LiveTensorTracker:
         Raises:
             ValueError: if the tensor's layout cannot be counted (see ``storages_of``).
         """
-        if self.device_type is not None and tensor.device.type != self.device_type:
+        if self.device_type is not None:
+            device = tensor.device
+            if device not in self._counted_devices:
+                if device in self._other_devices:
+                    return
+                counted = device.type == self.device_type
+                (self._counted_devices if counted else self._other_devices).add(device)
+                if not counted:
+                    return
+        kind = type(tensor)
+        if kind is not Tensor and not self.count_fake and self.device_type != "meta" and _is_fake(tensor):
             return
-        if type(tensor) is not Tensor and not self.count_fake and self.device_type != "meta" and _is_fake(tensor):
-            return
-        if tensor.layout is torch.strided and (type(tensor) is Tensor or not is_traceable_wrapper_subclass(tensor)):
+        wrapper = _WRAPPERS.get(kind)
+        if wrapper is None:
+            wrapper = _WRAPPERS[kind] = is_traceable_wrapper_subclass(tensor)
+        if not wrapper and tensor.layout is torch.strided:
             self._add_storage(tensor.untyped_storage())
         else:
             for storage in _storages(tensor):

@@ -9,6 +9,7 @@ its memory source, so the prediction is a :class:`StepReport` read exactly as ``
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from lightning_memtenants.predict.fake import (
     fake_session,
     forward_context,
 )
-from lightning_memtenants.predict.kernels import CpuKernels
+from lightning_memtenants.predict.kernels import cpu_kernels
 from lightning_memtenants.predict.values import KnownValues, is_unknown_value, unknown_value_error
 
 # The plain device names ``target`` takes; it also takes a GPU by name or compute capability (``resolve_target``).
@@ -177,6 +178,19 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
     Warns:
         DeprecationWarning: for ``gpu``, saying what to write instead.
     """
+    # no full collection walks the caller's objects in the middle of a dry run; a caller's own freeze is left alone
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        return _dry_run(model, batch, options)
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions) -> Prediction:
+    """:func:`dry_run`'s body."""
     settings = _settings(model, batch, options)
     loss_fn, optimizer, precision, gpu_target = settings.loss_fn, settings.optimizer, settings.precision, settings.gpu
     notes: list[str] = []
@@ -228,21 +242,18 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
         forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
         known = KnownValues(mode, source.tracker)
-        # the CPU's kernels, below the tracker's mode (which starts at batch_start and leaves at close) so that
-        # it sees their dtypes
-        kernels = CpuKernels() if gpu_target is None else contextlib.nullcontext()
-        with kernels:
-            try:
-                with threads, eager(), known:
-                    for index in range(settings.steps):
-                        step = _step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads)
-                        reports.append(step)
-            except Exception as error:
-                if is_unknown_value(error):
-                    raise unknown_value_error(error, "the training step") from None
-                raise
-            finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
-                monitor.close()
+        if gpu_target is None:  # the CPU's dtypes where the fake kernels differ, before the tracker counts them
+            source.tracker.rewrite = cpu_kernels
+        try:
+            with threads, eager(), known:
+                for index in range(settings.steps):
+                    reports.append(_step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads))
+        except Exception as error:
+            if is_unknown_value(error):
+                raise unknown_value_error(error, "the training step") from None
+            raise
+        finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
+            monitor.close()
     return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
 
 

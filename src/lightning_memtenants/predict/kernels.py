@@ -49,17 +49,34 @@ class CpuKernels(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        rule = _STATISTICS.get(name)
-        if rule is not None and isinstance(out, tuple) and _mixed(args, rule[0]):
-            fixed = list(out)
-            for index in rule[1]:
-                if isinstance(fixed[index], Tensor) and fixed[index].dtype != torch.float32:
-                    fixed[index] = torch.empty_like(fixed[index], dtype=torch.float32)
-            return tuple(fixed)
-        if name == "native_group_norm_backward" and isinstance(out, tuple) and isinstance(out[0], Tensor):
-            source = args[1]
-            if isinstance(source, Tensor) and out[0].dtype != source.dtype:
-                return (torch.empty_like(out[0], dtype=source.dtype), *out[1:])
-        return out
+        return cpu_kernels(func, args, kwargs, func(*args, **(kwargs or {})))
+
+
+def cpu_kernels(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``func``'s outputs with the CPU's dtypes (see the module's docstring).
+
+    A dry run's tracker calls it on every operator (its ``rewrite``), which saves the second dispatch
+    mode that :class:`CpuKernels` costs on each.
+
+    Args:
+        func: the operator that ran.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        out: what it returned.
+
+    Returns:
+        ``out``, or a copy with the statistics' dtype the CPU gives.
+    """
+    name = func._overloadpacket.__name__
+    rule = _STATISTICS.get(name)
+    if rule is not None and isinstance(out, tuple) and _mixed(args, rule[0]):
+        fixed = list(out)
+        for index in rule[1]:
+            if isinstance(fixed[index], Tensor) and fixed[index].dtype != torch.float32:
+                fixed[index] = torch.empty_like(fixed[index], dtype=torch.float32)
+        return tuple(fixed)
+    if name == "native_group_norm_backward" and isinstance(out, tuple) and isinstance(out[0], Tensor):
+        source = args[1]
+        if isinstance(source, Tensor) and out[0].dtype != source.dtype:
+            return (torch.empty_like(out[0], dtype=source.dtype), *out[1:])
+    return out
