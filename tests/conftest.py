@@ -179,3 +179,22 @@ def plain_step(monitor: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
     monitor.phase("batch_end")
     optimizer.zero_grad()
     return monitor.end_step(), loss.item()
+
+
+def assert_equals_the_real_run(predicted: Any, real: dict[str, Any]) -> None:
+    """A prediction against a real run's report (a JSON line of a check script): every tenant at every phase, the
+    allocated bytes and window peaks less what the real process held before training (``host_bytes``), the named
+    parts, the peak and its phase, and the expected fixed cost."""
+    from lightning_memtenants import PHASES
+
+    host, report = real["host_bytes"], real["report"]
+    assert predicted.tenants_bytes == report["tenants_bytes"]
+    for name in PHASES:
+        phase, mine = report["phases"][name], predicted.phases[name]
+        assert mine.tenants_bytes == phase["tenants_bytes"], name
+        assert mine.allocated_bytes == phase["allocated_bytes"] - host, name
+        assert mine.window_peak_bytes == phase["window_peak_bytes"] - host, name
+        assert mine.parts_bytes == phase["parts_bytes"], name  # the autocast cache under bf16-mixed
+    assert predicted.peak_bytes == report["peak_bytes"] - host
+    assert predicted.peak_phase == report["peak_phase"]
+    assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]

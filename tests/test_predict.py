@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CLOSURE_DIVISOR, SEED_P, SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS
+from conftest import CLOSURE_DIVISOR, SEED_P, SEED_SAVED_PER_SAMPLE, SEED_WEIGHTS, assert_equals_the_real_run
 from gpt import TinyGPT
 from seed_mlp import SeedMLP, seed_model
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lightning_memtenants import PHASES, TENANTS, dry_run, largest_batch_size, predict, sweep
+from lightning_memtenants import TENANTS, dry_run, largest_batch_size, predict, sweep
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.predict import cuda_model, dryrun, fake, transformer
 
@@ -54,18 +54,7 @@ def test_prediction_equals_a_real_cpu_run_to_the_byte(real_runs: dict, kind: str
         predicted = predict(SeedMLP(), (torch.Size([batch_size, 1024]),), precision=precision)
     else:
         predicted = predict(small_gpt(), lambda m: m.example_batch(batch_size, 32), precision=precision)
-    host = real["host_bytes"]
-    report = real["report"]
-    assert predicted.tenants_bytes == report["tenants_bytes"]
-    for name in PHASES:
-        phase, mine = report["phases"][name], predicted.phases[name]
-        assert mine.tenants_bytes == phase["tenants_bytes"], name
-        assert mine.allocated_bytes == phase["allocated_bytes"] - host, name
-        assert mine.window_peak_bytes == phase["window_peak_bytes"] - host, name
-        assert mine.parts_bytes == phase["parts_bytes"], name  # the autocast cache under bf16-mixed
-    assert predicted.peak_bytes == report["peak_bytes"] - host
-    assert predicted.peak_phase == report["peak_phase"]
-    assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]
+    assert_equals_the_real_run(predicted, real)
 
 
 def test_seed_prediction_values() -> None:

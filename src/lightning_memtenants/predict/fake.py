@@ -185,6 +185,12 @@ def build(make: Callable[[], nn.Module], mode: Any, notes: list[str] | None = No
     return built
 
 
+def _own_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """A module's own parameters and buffers by name, a tied one under each of its names."""
+    parameters = module.named_parameters(recurse=False, remove_duplicate=False)
+    return [*parameters, *module.named_buffers(recurse=False, remove_duplicate=False)]
+
+
 def _mend(module: nn.Module) -> None:
     """Give a fresh fake to each tensor whose views do not share its storage, so that a view counts as its base.
 
@@ -193,9 +199,7 @@ def _mend(module: nn.Module) -> None:
     """
     done: dict[int, Tensor] = {}
     for sub in module.modules():
-        own = [*sub.named_parameters(recurse=False, remove_duplicate=False)]
-        own += sub.named_buffers(recurse=False, remove_duplicate=False)
-        for name, tensor in own:
+        for name, tensor in _own_tensors(sub):
             if id(tensor) not in done:
                 plain = tensor.detach()
                 if plain.untyped_storage()._cdata == tensor.untyped_storage()._cdata:
@@ -213,9 +217,7 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """``module.to(dtype)`` for fake tensors, which cannot be swapped in place; ties are kept."""
     done: dict[int, Tensor] = {}
     for sub in module.modules():
-        own = [*sub.named_parameters(recurse=False, remove_duplicate=False)]
-        own += sub.named_buffers(recurse=False, remove_duplicate=False)
-        for name, tensor in own:
+        for name, tensor in _own_tensors(sub):
             if id(tensor) not in done:
                 cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()
                 if isinstance(tensor, nn.Parameter):
