@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from lightning_memtenants import predict
 from lightning_memtenants.cli import main
+from lightning_memtenants.core.tracker import LiveTensorTracker
 from lightning_memtenants.predict.fake import fake_session
-from lightning_memtenants.predict.kernels import CpuKernels
+from lightning_memtenants.predict.kernels import cpu_kernels
 from lightning_memtenants.predict.values import PredictionError
 
 
@@ -183,7 +184,9 @@ def test_a_norm_of_a_bf16_input_saves_the_statistics_the_cpu_saves(norm: str, we
         out.float().sum().backward()
 
     real = saved_dtypes(lambda: step(*make()))
-    with fake_session(), CpuKernels():
+    tracker = LiveTensorTracker("cpu", scan=False, count_fake=True)
+    tracker.rewrite = cpu_kernels  # as a dry run sets it
+    with fake_session(), tracker:
         fake = saved_dtypes(lambda: step(*make()))
     assert fake == real
     if weight_dtype == torch.float32:

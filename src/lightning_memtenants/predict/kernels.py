@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memtenants._private import TorchDispatchMode
-
 _REDUCED = (torch.bfloat16, torch.float16)
 # operator name -> (indices of the arguments that are the layer's float tensors, indices of the statistics returned)
 _STATISTICS = {
@@ -38,25 +36,11 @@ def _mixed(args: Any, params: tuple[int, ...]) -> bool:
     return any(isinstance(args[i], Tensor) and args[i].dtype == torch.float32 for i in params if i < len(args))
 
 
-class CpuKernels(TorchDispatchMode):
-    """Correct the few outputs whose dtype the fake kernels get wrong for the CPU (see the module's docstring).
-
-    Entered below the dry run's tracker, so that the tracker and autograd see only the corrected tensors.
-    """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return cpu_kernels(func, args, kwargs, func(*args, **(kwargs or {})))
-
-
 def cpu_kernels(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """``func``'s outputs with the CPU's dtypes (see the module's docstring).
 
-    A dry run's tracker calls it on every operator (its ``rewrite``), which saves the second dispatch
-    mode that :class:`CpuKernels` costs on each.
+    A dry run's tracker calls it on every operator's outputs (its ``rewrite``), before it counts them and
+    autograd saves them.
 
     Args:
         func: the operator that ran.

@@ -53,7 +53,6 @@ _MACHINERY = tuple(
         "_compile.py",
         "_logging",
         "_guards.py",
-        "sym_",
         "__init__.py",
     )
 )
@@ -117,7 +116,6 @@ class KnownValues(TorchFunctionMode):
         self.limit = limit
         self.device = device
         self.factories = tensor_factories()
-        self.real_calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -128,7 +126,6 @@ class KnownValues(TorchFunctionMode):
             else:
                 fake = True
         if not fake and (self.random or not _random(func)) and (known or self._small_constant(func, args, kwargs)):
-            self.real_calls += 1
             if not known and self.device is not None and kwargs.get("device") is None:
                 kwargs = {**kwargs, "device": self.device}
             with unset_fake():
