@@ -30,7 +30,7 @@ from lightning_memtenants.checks import brief
 from lightning_memtenants.core.census import ActivationTracker, TenantCounter
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
-from lightning_memtenants.core.sources import MemorySource, Reading, source_for
+from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource, source_for
 from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Measurement, Part, Phase, Tenant
 
@@ -117,6 +117,8 @@ class TenantMonitor:
         if not track_activations:
             self._guard.disabled.add("activations")
         self._tracker = ActivationTracker(self.device.type)
+        if isinstance(source, TrackerSource):  # the tenants and the totals agree on what is host memory
+            self._tracker.host_memory = source.tracker.is_host
         self._counter = TenantCounter(module, self.optimizers, host_state)
         self._tracker.params = frozenset(id(t) for t in self._counter.tensors)
         self._parts: dict[Part, Callable[[], int]] = {}

@@ -7,7 +7,7 @@ meta tensors included. The activations are read from the loss's autograd graph, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -57,6 +57,8 @@ class ActivationTracker:
         # ids of the parameters: a saved tensor made from one of them by a dtype cast is autocast's
         # half copy of a weight, reported as ``autocast_cache`` rather than as an activation
         self.params: frozenset[int] = frozenset()
+        # which storages stand for host memory in a model of another device (the memory source's say), never counted
+        self.host_memory: Callable[[torch.UntypedStorage], bool] | None = None
         self.error: Exception | None = None
         self.reset_counts()
 
@@ -189,7 +191,7 @@ class ActivationTracker:
         elsewhere = self.device_type is not None and tensor.device.type != self.device_type
         for storage in storages_of(tensor):
             key = id(storage)
-            if key in self._ignored:
+            if key in self._ignored or (self.host_memory is not None and self.host_memory(storage)):
                 continue
             if elsewhere:
                 if key not in offloaded:

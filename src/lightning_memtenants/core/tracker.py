@@ -417,6 +417,18 @@ class LiveTensorTracker:
         host = self._host
         host[key] = weakref.ref(storage, lambda _: host.pop(key, None))
 
+    def is_host(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` was marked host memory (:meth:`host`), and so is in no figure.
+
+        Args:
+            storage: a storage.
+
+        Returns:
+            True for a marked storage that is still alive.
+        """
+        ref = self._host.get(id(storage))
+        return ref is not None and ref() is storage
+
     def _add_storage(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if self._host and key in self._host and self._host[key]() is storage:

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -28,6 +28,7 @@ from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
+from lightning_memtenants.predict.cuda_kernels import CudaKernels, attention_note, fused_attention_rewrite
 from lightning_memtenants.predict.cuda_model import (
     HOST_OPS,
     OUTSIDE_ALLOCATOR,
@@ -242,19 +243,45 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions) -> Predi
         forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
         known = KnownValues(mode, source.tracker)
+        kernels: Any = contextlib.nullcontext()
         if gpu_target is None:  # the CPU's dtypes where the fake kernels differ, before the tracker counts them
             source.tracker.rewrite = cpu_kernels
+        else:  # CUDA's attention kernels, dropout masks and autocast lists, and the fused kernels' scratch
+            kernels = CudaKernels(gpu_target.capability, source.tracker)
+            forward = _clearing(forward, kernels)
+            source.tracker.rewrite = fused_attention_rewrite(source.tracker)
         try:
-            with threads, eager(), known:
-                for index in range(settings.steps):
-                    reports.append(_step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads))
+            with threads, eager(), known, kernels:
+                try:
+                    for index in range(settings.steps):
+                        step = _step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads)
+                        reports.append(step)
+                finally:  # the tracker's dispatch mode leaves first (it is above the cuBLAS one), whatever was raised
+                    monitor.close()
         except Exception as error:
             if is_unknown_value(error):
                 raise unknown_value_error(error, "the training step") from None
             raise
-        finally:  # the tracker's dispatch mode must leave the stack, whatever the user's step raised
-            monitor.close()
+    if isinstance(kernels, CudaKernels) and kernels.kernels:
+        note = attention_note(kernels.kernels, gpu_target)
+        notes.append(note)
+        for report in reports:
+            report.notes.append(note)
     return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
+
+
+def _clearing(forward: Callable[[], Any], kernels: CudaKernels) -> Callable[[], Any]:
+    """The forward's context, which forgets CUDA autocast's cast weights on leaving, as torch.autocast does."""
+
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        try:
+            with forward():
+                yield
+        finally:
+            kernels.clear_cache()
+
+    return context
 
 
 def sweep(
