@@ -720,8 +720,12 @@ def attention_note(kernels: Mapping[str, int], gpu: Any) -> str:
         One sentence.
     """
     ran = ", ".join(f"{name} x{count}" for name, count in sorted(kernels.items()))
+    kept = []
+    if set(kernels) - {"math"}:
+        kept.append("the fused kernels keep the output and a float32 log-sum-exp per query, never an s*s matrix")
+    if "math" in kernels:
+        kept.append("the math path keeps the s*s softmax and a 1-byte dropout mask")
     return (
-        f"attention as CUDA runs it on {gpu.name} (PyTorch's kernel choice): {ran}; the fused kernels keep"
-        " the output and a float32 log-sum-exp per query, never an s*s matrix, and draw dropout from a philox"
-        " seed; dropout elsewhere keeps a 1-byte mask; autocast follows CUDA's op lists"
+        f"attention as CUDA runs it on {gpu.name} (PyTorch's kernel choice): {ran}; {'; '.join(kept)};"
+        " autocast follows CUDA's op lists"
     )
