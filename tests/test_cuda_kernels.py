@@ -215,3 +215,52 @@ def test_a_checkpointed_region_recomputes_with_cudas_kernels_too() -> None:
     for precision in ("32-true", "bf16-mixed"):  # the recomputed mask is bool and the softmax float32, as saved
         report = predict(Block(), torch.Size([8, 64]), loss_fn=loss, precision=precision, target="A100")
         assert activations(report) == 0  # the region keeps only its input, the batch
+
+
+@pytest.mark.parametrize(
+    ("spec", "kernel"),
+    [
+        ("gpt2/ones/bf16-mixed", "flash x2"),  # an all-ones mask becomes is_causal: flash
+        ("gpt2/padded/bf16-mixed", "efficient x2"),  # a padding mask rules flash out
+        ("llama/ones/32-true", "efficient x2"),  # grouped-query heads, fp32
+        ("bert/padded/bf16-mixed/ckpt", "efficient x4"),  # recomputed under checkpointing: each layer twice
+        ("vit/bf16-mixed", "flash x2"),
+        ("demo/32-true", "efficient x6"),  # nn.Transformer: attention inside F.multi_head_attention_forward
+    ],
+)
+def test_hugging_face_and_lightning_models_predict_for_an_a100(spec: str, kernel: str) -> None:
+    pytest.importorskip("transformers")
+    from hf_models import Spec, build_batch, build_module
+
+    parsed = Spec.parse(spec)
+    report = predict(build_module(parsed), build_batch(parsed), precision=parsed.precision, target="A100")
+    note = next(n for n in report.notes if n.startswith("attention as CUDA runs it on A100"))
+    assert f"(PyTorch's kernel choice): {kernel};" in note
+    assert report.peak_bytes > report.tenants_bytes["weights"] > 0
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_the_math_path_is_atens_own_step_by_step(dtype: torch.dtype) -> None:
+    """Without dropout and mask, our math path keeps and allocates what ATen's CPU math path does, to the byte."""
+    from lightning_memtenants.predict.cuda_kernels import _math_attention
+
+    def run(attention) -> tuple[int, int, int]:
+        q, k, v = (torch.randn(2, 4, 48, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+        kept: list[int] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            kept.append(tensor.untyped_storage().nbytes())
+            return tensor
+
+        with (
+            LiveTensorTracker("cpu", scan=False) as tracker,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = attention(q, k, v)
+            current, peak = tracker.read()
+        assert out.shape == q.shape
+        return sum(kept), current, peak
+
+    ours = run(lambda q, k, v: _math_attention(q, k, v, None, 0.0, False, None, False))
+    atens = run(lambda q, k, v: torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[0])
+    assert ours == atens

@@ -342,6 +342,8 @@ def cuda_sdpa(
         return out[..., :size] if pad else out
     mask = _bool_to_float_mask(attn_mask, query.dtype)
     if kernel == "efficient":
+        if key.size(-3) != query.size(-3):  # grouped-query heads: torch's kernel (and its fake) wants them repeated
+            key, value = (t.repeat_interleave(query.size(-3) // t.size(-3), -3) for t in (key, value))
         if mask is not None:
             mask = _efficient_mask(mask, query, key)
         attention = torch.ops.aten._scaled_dot_product_efficient_attention
