@@ -13,7 +13,8 @@ report:
   the fixed-cost formula are told so (:func:`host_state_names`) and leave them out.
 
 What is outside ``memory_allocated`` is listed in the notes, never added: the CUDA context, the
-libraries' own code and handles.
+libraries' own code and handles. Which kernels a GPU runs where the CPU runs others (attention,
+dropout, autocast's op lists) is :mod:`lightning_memtenants.predict.cuda_kernels`.
 """
 
 from __future__ import annotations
