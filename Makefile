@@ -20,14 +20,20 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Two pytest-xdist workers, one per core of CI's two (each computes on one torch thread: tests/conftest.py).
+# --dist loadscope keeps each test module on one worker, so that its module-scoped fixtures (subprocess runs,
+# real fits, a TensorBoard server) run once. (--dist loadgroup's xdist_group marks do not group under pytest 9.)
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 # The tests not marked slow (no subprocess runs, DDP, torch.compile or long fits): a quick check while editing.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
-# The prepared CUDA check (cuda-marked tests, the article's loop, the seed model in a Trainer).
+# The prepared CUDA check (benchmarks/gpu_check.py: measured on the device beside the callback and the predictions).
 # It runs on the GPU machine's own python3, which holds a CUDA torch and lightning: nothing is installed.
 GPU_PYTHON ?= python3
 gpu-check:

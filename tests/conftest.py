@@ -67,6 +67,17 @@ def _each_test_leaves_the_process_as_it_found_it(monkeypatch: pytest.MonkeyPatch
         pytest.fail(f"the test left {', '.join(left)} behind (undone for the tests after it)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker (``make test`` runs one per core of CI's two) computes on one torch thread: two workers
+    of two intra-op threads each would oversubscribe the cores. ``OMP_NUM_THREADS`` says so to Lightning, whose DDP
+    launcher would otherwise set the thread count back to the cores' (and the fixture above would fail the test for
+    it), and to the scripts the worker's tests run in fresh processes. Memory is counted the same at any thread count.
+    """
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
