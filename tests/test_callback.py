@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import re
 import subprocess
@@ -30,7 +32,7 @@ import lightning_memtenants.lightning.callback as callback_module
 from lightning_memtenants import PHASES, MemoryTenantsCallback
 from lightning_memtenants.units import MiB
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TAGS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "tags.md"  # the reference of every logged tag
 
 
 def no_saved_tensor_hooks() -> bool:
@@ -52,8 +54,9 @@ def seed_run() -> tuple[MemoryTenantsCallback, RecordingLogger, list[str]]:
         L.seed_everything(0, verbose=False)
         cb, logger = MemoryTenantsCallback(), RecordingLogger()
         assert cb.latest is None
-        with no_collection():
+        with no_collection(), contextlib.redirect_stdout(io.StringIO()) as stdout:
             make_trainer([cb], steps=2, logger=logger).fit(SeedMLP(), seed_loader(batch_size=8, steps=2))
+    printed.append(stdout.getvalue())  # the summary is printed to stdout, after the notices given as info
     return cb, logger, printed
 
 
@@ -199,9 +202,9 @@ def test_scalars_go_to_any_logger_with_units(seed_run) -> None:
     assert all(tag.startswith("memtenants/") and tag.endswith("_MiB") for tag in metrics)
 
 
-def test_every_logged_tag_is_in_the_readme(seed_run) -> None:
+def test_every_logged_tag_is_in_the_tags_page(seed_run) -> None:
     _, logger, _ = seed_run
-    documented = set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", README.read_text()))
+    documented = set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", TAGS_PAGE.read_text()))
     logged = {tag for _, metrics in logger.logged for tag in metrics}
     assert logged <= documented
 
@@ -209,9 +212,11 @@ def test_every_logged_tag_is_in_the_readme(seed_run) -> None:
 def test_summary_table_is_printed_at_the_end(seed_run) -> None:
     _, _, printed = seed_run
     assert printed[0].endswith("the layout, desk picture and summary need a TensorBoardLogger")
-    printed = printed[1:]
+    assert len(printed) == 2  # the notice, then stdout: the summary is not logged
+    printed = printed[1].split("\n\nmemtenants: optimizer step ")
     assert len(printed) == 2  # the first step, then the last
-    assert "optimizer step 1" in printed[-1]
+    assert printed[0].startswith("memtenants: optimizer step 0 (memory source: live-tensor tracker (cpu))")
+    assert printed[-1].startswith("1 (memory source: live-tensor tracker (cpu))")
     assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", printed[-1])
     assert "peak inside the optimizer step" in printed[-1]
     assert "expected 402,800,664 bytes" in printed[-1]

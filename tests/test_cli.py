@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,8 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from lightning_memtenants.cli import main
+from lightning_memtenants import StepReport, predict
+from lightning_memtenants.cli import build_parser, main
+from lightning_memtenants.names import PARTS, TENANTS
+from lightning_memtenants.render.table import step_table
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -150,9 +155,52 @@ def test_target_help_lists_what_it_accepts(cli: Any) -> None:
     run = cli("predict", "--help")
     assert run.returncode == 0
     text = " ".join(run.stdout.split())
-    assert "--target DEVICE device to predict for (default cpu): one of 'cpu', 'cuda' (an A100), or a GPU" in text
+    assert "--target DEVICE device to predict for (default: cpu): one of 'cpu', 'cuda' (an A100), or a GPU" in text
     assert "'A6000'" in text and "'sm_90', also written 'cuda:A6000'" in text
+    assert "'cuda' alone assumes an A100 (compute capability 8.0)" in text
     assert "--gpu GPU deprecated, to be removed in the next release: write --target A6000 instead" in text
+
+
+def _options(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    """Every option of the parser and of its commands, with the command's name."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(f"{name} {option}", a) for option, a in _options(sub)]
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            found.append((action.option_strings[0], action))
+    return found
+
+
+def test_every_option_says_its_default(cli: Any) -> None:
+    parser = build_parser()
+    options = _options(parser)
+    assert {name for name, _ in options} >= {
+        "predict --batch-size", "predict --input-shape", "predict --target", "predict --json", "predict --gpu",
+    }  # fmt: skip
+    for name, action in options:
+        assert action.help, name
+        rendered = action.help % {**vars(action), "prog": "memtenants"}
+        default = "none" if action.default is None else str(action.default)
+        if name == "predict --batch-size":
+            default = "1"  # None stands for 1, or the first dimension of --input-shape
+        assert f"(default: {default}" in rendered, (name, rendered)
+    help_text = " ".join(cli("predict", "--help").stdout.split())
+    assert "--margin MARGIN the fraction of --budget kept free, as the callback keeps it (default: 0.05)" in help_text
+    assert "--precision PRECISION Lightning's precision: one of 16-mixed," in help_text
+    assert "(default: 32-true)" in help_text
+
+
+def test_a_bare_command_prints_its_usage(cli: Any) -> None:
+    run = cli()
+    assert run.returncode == 2 and run.stderr == ""
+    assert run.stdout.startswith("usage: memtenants [-h] COMMAND ...")
+    assert "predict   predict one training step's tenants and peak under fake tensors" in run.stdout
+    run = cli("predict")
+    assert run.returncode == 2 and run.stderr == ""
+    assert run.stdout.startswith("usage: memtenants predict [-h]")
+    assert "--input-shape SHAPE[:DTYPE]" in run.stdout
 
 
 USER_MODULE = """
@@ -199,6 +247,19 @@ class Raises(Model):
 class NoSeqLen(Model):
     def example_batch(self, batch_size):
         return (torch.randn(batch_size, 8),)
+
+
+class NoExample(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
 """
 
 
@@ -221,6 +282,14 @@ def test_every_bad_input_is_one_line_naming_it(tmp_path: Path, user_module: str,
         (("torch.nn:Linear",), "torch.nn:Linear cannot be built with --init {}"),
         (("json:loads",), "json:loads cannot be built with --init {}"),
         (("json:JSONDecoder",), "json:JSONDecoder is a class but not an nn.Module"),
+        ((f"{user_module}:NoExample",), "NoExample has no example_batch(batch_size, seq_len=None) method to build a"),
+        ((f"{user_module}:NoExample",), "give the batch's shapes instead, one --input-shape per tensor"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,8", "--seq-len", "4"), "--seq-len goes to example_batch"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,8", "--batch-size", "4"), "--batch-size 4 differs"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,8", "--input-shape", "3"), "first dimension is the batch"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,x"), "--input-shape: must be sizes separated by commas"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,0"), "--input-shape: sizes must be positive"),
+        ((f"{user_module}:NoExample", "--input-shape", "2,8:float99"), "--input-shape: the dtype after ':'"),
     ]
     for args, expected in cases:
         run = cli("predict", *args)
@@ -247,3 +316,110 @@ def test_the_user_s_own_failures_show_their_frames_not_ours(tmp_path: Path, user
         assert "lightning_memtenants" not in run.stderr and "site-packages" not in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
         assert any(line.strip().startswith("File ") for line in lines[1:-1]), run.stderr  # the user's own lines
+
+
+def test_a_model_without_example_batch_is_predicted_from_shapes(tmp_path: Path, user_module: str, cli: Any) -> None:
+    out = tmp_path / "shapes.json"
+    run = cli("predict", f"{user_module}:NoExample", "--input-shape", "4,8", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == (
+        f"memtenants predict {user_module}:NoExample: input shapes 4,8, 32-true, 1 step, for the CPU"
+    )
+    document = json.loads(out.read_text())
+    assert (document["batch_size"], document["input_shapes"]) == (4, ["4,8"])
+    # Linear(8, 1): 36 bytes of weights, as many of gradients, Adam's two moments and two 4-byte step counters;
+    # pow keeps the 4 x 1 output, autograd the closure's 8-byte int64 divisor
+    tenants = {"weights": 36, "gradients": 36, "optimizer_state": 80, "activations": 4 * 4 + 8}
+    assert document["report"]["tenants_bytes"] == tenants
+    # the budget's search sets the batch dimension of every shape
+    run = cli("predict", f"{user_module}:NoExample", "--input-shape", "4,8", "--budget", "1MiB")
+    assert run.returncode == 0, run.stderr
+    assert "largest batch for a budget of 1 MiB: " in run.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_seed_model_through_the_command(tmp_path: Path, cli: Any) -> None:
+    out = tmp_path / "seed.json"
+    run = cli("predict", "examples/seed_mlp.py:SeedMLP", "--input-shape", "2048,1024", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    from seed_mlp import SeedMLP
+
+    expected = predict(SeedMLP(), (torch.Size([2048, 1024]),))  # a TensorDataset's batch: a tuple of one tensor
+    got = StepReport.from_dict(json.loads(out.read_text())["report"])
+    assert got.tenants_bytes == expected.tenants_bytes == {
+        "weights": 100_700_160, "gradients": 100_700_160, "optimizer_state": 201_400_344, "activations": 75_497_480,
+    }  # fmt: skip
+    assert got.phases == expected.phases
+    assert got.peak_bytes == expected.peak_bytes == 545_423_392
+
+
+def test_json_dash_is_only_json_on_stdout(user_module: str) -> None:
+    run = memtenants("predict", f"{user_module}:Model", "--batch-size", "2", "--target", "A6000", "--json", "-")
+    assert run.returncode == 0, run.stderr
+    document = json.loads(run.stdout)  # nothing else on stdout
+    assert "phase (MiB)" in run.stderr and "memtenants predict" in run.stderr  # the table went to stderr
+    report = document["report"]
+    tenant_sum = sum(report["tenants_bytes"].values())
+    assert report["tenant_sum_bytes"] == tenant_sum == 36 + 36 + 72 + 2 * 4 + 8
+    assert report["peak_minus_sum_bytes"] == report["peak_bytes"] - tenant_sum
+    workspace = 4096 * 1024 * 2 + 16 * 1024 * 8  # per thread on compute capability 8.6
+    assert report["parts_bytes"]["cublas_workspace"] == 2 * workspace
+    for name, phase in report["phases"].items():
+        parts = sum(phase["parts_bytes"].values())
+        assert phase["other_bytes"] == phase["allocated_bytes"] - sum(phase["tenants_bytes"].values()) - parts, name
+        assert phase["fragmentation_bytes"] == phase["reserved_bytes"] - phase["allocated_bytes"] >= 0, name
+    assert report["phases"]["after_backward"]["parts_bytes"]["allocator_rounding"] > 0
+
+
+def _text_rows(stdout: str) -> tuple[list[str], dict[str, list[float]]]:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("phase (MiB)"))
+    columns = lines[header].removeprefix("phase (MiB)").split()
+    columns = [c for c in columns if c not in ("peak",)]
+    columns[columns.index("window")] = "window peak"
+    rows = {}
+    for line in lines[header + 2 :]:
+        if not line.strip():
+            break
+        label, cells = line[:21].strip(), line[21:].split()
+        rows[label] = [float("nan") if c == "-" else float(c.replace(",", "")) for c in cells]
+    return columns, rows
+
+
+def test_the_table_s_columns_add_up_to_allocated(tmp_path: Path, user_module: str, cli: Any) -> None:
+    out = tmp_path / "r.json"
+    run = cli("predict", f"{user_module}:Model", "--batch-size", "2", "--target", "cuda", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0].endswith(
+        "for CUDA on A100 (compute capability 8.0), which --target cuda assumes: name your GPU with --target, e.g."
+        " --target H100"
+    )
+    document = json.loads(out.read_text())
+    assert (document["gpu"], document["gpu_assumed"]) == ("A100", True)
+    columns, rows = _text_rows(run.stdout)
+    assert columns == [
+        *TENANTS, "cublas_workspace", "allocator_rounding", "other", "allocated", "fragmentation", "reserved",
+        "window peak",
+    ]  # fmt: skip
+    summed = [*TENANTS, "cublas_workspace", "allocator_rounding", "other"]
+    for label, cells in rows.items():
+        if label == "high-water mark":
+            continue
+        value = dict(zip(columns, cells, strict=True))
+        assert sum(value[c] for c in summed) == pytest.approx(value["allocated"], abs=0.005 * len(summed)), label
+        assert value["allocated"] + value["fragmentation"] == pytest.approx(value["reserved"], abs=0.01), label
+    # to the byte, in the table's own cells
+    table = step_table(StepReport.from_dict(document["report"]))
+    assert list(table.columns) == columns
+    for label, cells in table.rows[:-1]:
+        value = dict(zip(table.columns, cells, strict=True))
+        assert sum(value[c] for c in summed) == value["allocated"], label  # type: ignore[misc]
+        assert value["allocated"] + value["fragmentation"] == value["reserved"], label  # type: ignore[operator]
+    assert all(name in PARTS for name in ("cublas_workspace", "allocator_rounding"))
+    # on the CPU: no part, nothing reserved, the columns as before
+    run = cli("predict", f"{user_module}:Model", "--batch-size", "2")
+    columns, rows = _text_rows(run.stdout)
+    assert columns == [*TENANTS, "other", "allocated", "window peak"]
+    for label, cells in rows.items():
+        if label != "high-water mark":
+            assert sum(cells[:5]) == pytest.approx(cells[5], abs=0.03), label

@@ -232,7 +232,7 @@ def test_callback_step_peak_equals_max_memory_allocated_over_the_same_window(sim
 
 
 def test_a_reader_after_the_callback_sees_only_what_is_allocated_at_batch_end(sim: SimulatedCuda) -> None:
-    """The reset is global (README, "What we reset"): a reader whose hook runs after ours reads our last window."""
+    """The reset is global (docs/sources.md): a reader whose hook runs after ours reads our last window."""
     ours = MemoryTenantsCallback(print_summary=False, memory_source=source_for(CUDA0))
     window, reports = Window(), Reports(ours)
     make_trainer([ours, window, reports], steps=2).fit(Tiny(), loader())
@@ -288,3 +288,19 @@ def test_oom_on_the_simulated_device_writes_the_postmortem_and_the_snapshot(tmp_
             ("segment_alloc", 64 * MiB),
             ("oom", 64 * MiB),
         ]
+
+
+def test_a_fit_with_record_history_links_the_allocators_snapshot_in_its_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with simulated_cuda(total_bytes=1 << 30) as sim:
+        ours = OnSimulatedCuda(record_history=True, postmortem_dir=tmp_path)
+        make_trainer([ours], steps=2).fit(Tiny(), loader(2))
+        path = tmp_path / "memtenants_snapshot.pickle"
+        assert sim.snapshots == [str(path)]  # dumped once, at the end of fit, while the history was on
+        assert sim.history_calls == ["all", None]
+        snapshot = pickle.loads(path.read_bytes())
+        assert sum(s["total_size"] for s in snapshot["segments"]) == torch.cuda.memory_reserved()
+    printed = capsys.readouterr().out
+    assert f"the allocator's history (record_history): {path}" in printed
+    assert f"trace_plot {path} -o memory.html" in printed

@@ -35,7 +35,7 @@ from lightning_memtenants.render.tags import DESK, POSTMORTEM, SUMMARY, custom_s
 from lightning_memtenants.render.tensorboard import desk_figure
 from lightning_memtenants.units import MiB
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TAGS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "tags.md"  # the reference of every logged tag
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 RUN = "seed_mlp/version_0"
 SEED_FIXED = 402_800_664
@@ -97,7 +97,7 @@ def get(base: str, path: str, **query: str) -> Any:
 
 
 def documented_tags() -> set[str]:
-    return set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", README.read_text()))
+    return set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", TAGS_PAGE.read_text()))
 
 
 @pytest.mark.slow
@@ -139,12 +139,22 @@ def test_custom_scalars_endpoint_returns_our_layout(server: str) -> None:
 @pytest.mark.slow
 def test_images_endpoint_lists_the_desk(server: str) -> None:
     tags = get(server, "/data/plugin/images/tags")
-    assert tags == {RUN: {"memtenants/desk": {"displayName": "", "description": "", "samples": 1}}}
+    image = {"displayName": "", "description": "", "samples": 1}
+    assert tags == {RUN: {"memtenants/desk": image, "memtenants/timeline": image}}
     images = get(server, "/data/plugin/images/images", run=RUN, tag="memtenants/desk")
     # the first logging step (desk_every_n_logs=10), then the last measured step at the end of fit
     assert [image["step"] for image in images] == [0, 2]
     png = get(server, "/data/plugin/images/individualImage", blob_key=images[-1]["query"].split("blob_key=")[-1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_images_endpoint_serves_the_timeline(server: str) -> None:
+    images = get(server, "/data/plugin/images/images", run=RUN, tag="memtenants/timeline")
+    assert [image["step"] for image in images] == [0, 2]  # drawn with the desk: the first logging step, the last
+    png = get(server, "/data/plugin/images/individualImage", blob_key=images[-1]["query"].split("blob_key=")[-1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20]), int.from_bytes(png[20:24])) == (1100, 560)  # the IHDR's width, height
 
 
 @pytest.mark.slow
@@ -175,8 +185,8 @@ def test_event_file_holds_the_seed_weights_to_the_byte(seed_run) -> None:
 
 def test_png_and_markdown_in_the_log_dir(seed_run) -> None:
     cb, root = seed_run
-    png = root / RUN / "memtenants_desk.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("memtenants_desk.png", "memtenants_desk_first.png", "memtenants_timeline.png"):
+        assert (root / RUN / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (root / RUN / "memtenants_summary.md").read_text()
     assert "| `batch_end` | 96.04 | 96.04 | 192.07 | 0.00 |" in text
     assert text.strip() == "\n\n".join(summary_markdown(r, BUDGET) for r in (cb.first, cb.latest))
@@ -203,9 +213,24 @@ def test_desk_picture_draws_the_report(seed_run) -> None:
     assert star.get_xdata()[0] == list(report.phases).index(report.peak_phase)
     assert star.get_ydata()[0] == pytest.approx(report.peak_bytes / MiB)
     assert "window peak" in {collection.get_label() for collection in axes.collections}
+    # the caption says why the star sits above the bars, and defines the window peak
+    caption = figure.get_supxlabel()
+    assert "Why: peak inside the optimizer step: Adam (single-tensor) temporaries" in caption.replace("\n", " ")
+    assert "the window peak, the highest allocated since the phase before" in caption.replace("\n", " ")
 
 
-def test_every_panel_tag_is_in_the_readme() -> None:
+def test_desk_writes_thin_tenants_on_the_bars() -> None:
+    from lightning_memtenants.core.record import PhaseReport, StepReport
+
+    tenants = {"weights": 500 * MiB, "gradients": 0, "optimizer_state": 0, "activations": 9 * MiB}
+    phase = PhaseReport("before_backward", tenants, 509 * MiB, 509 * MiB, None)
+    report = StepReport(0, {"before_backward": phase}, [{"before_backward": phase}], tenants, None, 500 * MiB)
+    texts = [t.get_text() for t in desk_figure(report).axes[0].texts]
+    assert "activations 9.00 MiB" in texts
+    assert not any(t.startswith("weights") for t in texts)  # a thick layer reads on its own
+
+
+def test_every_panel_tag_is_in_the_tags_page() -> None:
     documented = documented_tags()
     assert {tag(DESK), tag(SUMMARY), tag(POSTMORTEM)} <= documented
     assert {tag for charts in custom_scalars_layout().values() for _, tags in charts.values() for tag in tags} <= (
@@ -289,7 +314,7 @@ def test_a_failing_picture_warns_once_and_disables_only_the_picture(tmp_path, mo
         " from now on"
     ]
     events = read_events(tmp_path)
-    assert events.Tags()["images"] == []
+    assert events.Tags()["images"] == ["memtenants/timeline"]  # the other picture goes on
     assert len(events.Scalars("memtenants/weights_MiB")) == 3
     assert {"custom_scalars__config__", "memtenants/summary/text_summary"} <= set(events.Tags()["tensors"])
     assert cb.latest is not None and cb.latest.step == 2

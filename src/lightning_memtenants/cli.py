@@ -4,10 +4,12 @@ Example::
 
     memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --seq-len 512 --precision bf16-mixed --budget 24GiB
     memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --target A6000
+    memtenants predict examples/seed_mlp.py:SeedMLP --input-shape 2048,1024 --json - | jq .report.peak_bytes
 
-The target names a file or module and a class (or a function building the model). The model
-must offer ``example_batch(batch_size, seq_len=None)``, which builds a batch for its
-``training_step``; it is built under fake tensors, so its size costs nothing here.
+The target names a file or module and a class (or a function building the model). The batch comes from
+the model's ``example_batch(batch_size, seq_len=None)``, which builds a batch for its ``training_step``, or
+from ``--input-shape 8,1024`` (one per tensor) for a model without one; the model is built under fake
+tensors, so its size costs nothing here. ``--json -`` writes only the JSON to stdout (the table to stderr).
 """
 
 from __future__ import annotations
@@ -24,17 +26,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
-from lightning_memtenants.predict.cuda_model import TARGET_HELP, resolve_gpu, resolve_target
+from lightning_memtenants.predict.cuda_model import TARGET_HELP, CudaTarget, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
 from lightning_memtenants.predict.values import is_unknown_value
 from lightning_memtenants.render.table import fits_text, format_table
+from lightning_memtenants.render.timeline import write_snapshot
 from lightning_memtenants.units import MiB, parse_bytes
+
+# What --target cuda predicts for when no GPU is named.
+DEFAULT_GPU = resolve_gpu(None)
+# One --input-shape: the sizes, batch first, and the dtype (None: float32, cast to the precision's).
+Shape = tuple[tuple[int, ...], torch.dtype | None]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,41 +70,101 @@ class _UserCodeFailed(Exception):
 def build_parser() -> argparse.ArgumentParser:
     """The ``memtenants`` command's arguments, so the console script and ``python -m`` parse alike.
 
+    Every option's help says its default (``tests/test_cli.py`` walks the parser to check it).
+
     Returns:
         The parser, whose errors print one line and exit with code 2.
     """
     parser = _Parser(prog="memtenants", description="What will use your training memory, predicted on a CPU.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = commands.add_parser("predict", help="predict one training step's tenants and peak under fake tensors")
-    run.add_argument("target", help="FILE.py:NAME or package.module:NAME, a LightningModule class or factory")
-    run.add_argument("--batch-size", type=_positive, default=1, help="samples per batch (default 1)")
-    run.add_argument("--seq-len", type=_positive, default=None, help="sequence length, passed to example_batch")
-    run.add_argument("--precision", choices=sorted(PRECISIONS), default="32-true")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    run = commands.add_parser(
+        "predict",
+        help="predict one training step's tenants and peak under fake tensors",
+        description="Predict one training step's memory under fake tensors: the tenants at every phase, the peak,"
+        " the fixed-cost check; no memory is allocated and no GPU is needed. The batch comes from the model's"
+        " example_batch(batch_size, seq_len=None), or from --input-shape.",
+    )
+    run.add_argument(
+        "target", help="FILE.py:NAME or package.module:NAME: a LightningModule class, or a function building one"
+    )
+    run.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=None,
+        help="samples per batch, passed to example_batch (default: 1; with --input-shape, the shapes' first dimension)",
+    )
+    run.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=None,
+        help="sequence length, passed to example_batch as its second argument (default: none, example_batch's own)",
+    )
+    run.add_argument(
+        "--input-shape",
+        type=_shape,
+        action="append",
+        default=None,
+        metavar="SHAPE[:DTYPE]",
+        help="the shape of one tensor of the batch, batch dimension first, e.g. 8,1024 or 8,512:int64, for a model"
+        " without example_batch; repeat it for each tensor. The batch is the tuple of them, as a DataLoader over a"
+        " TensorDataset gives it; a shape without a dtype is float32, cast to the precision's dtype (default: none:"
+        " example_batch builds the batch)",
+    )
+    run.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="32-true",
+        metavar="PRECISION",
+        help="Lightning's precision: one of %(choices)s (default: %(default)s)",
+    )
     run.add_argument(
         "--budget",
         default=None,
         help="device memory to plan for, e.g. 24GiB; gives the largest batch whose steady-state step fits it less"
-        " the margin",
+        " the margin (default: none, no largest batch)",
     )
     run.add_argument(
         "--margin",
         type=_fraction,
         default=0.05,
-        help="the fraction of --budget kept free, as the callback keeps it (default 0.05)",
+        help="the fraction of --budget kept free, as the callback keeps it (default: %(default)s)",
     )
-    run.add_argument("--steps", type=_positive, default=1, help="steps to run; the report is of the last (default 1)")
-    run.add_argument("--init", default="{}", help="constructor keyword arguments as JSON, e.g. '{\"n_layer\": 4}'")
+    run.add_argument(
+        "--steps", type=_positive, default=1, help="steps to run; the report is of the last (default: %(default)s)"
+    )
+    run.add_argument(
+        "--init",
+        default="{}",
+        help="constructor keyword arguments as JSON, e.g. '{\"n_layer\": 4}' (default: %(default)s, none)",
+    )
     run.add_argument(
         "--target",
         dest="device",
         default="cpu",
         metavar="DEVICE",
-        help=f"device to predict for (default cpu): one of {TARGET_HELP}".replace("%", "%%"),
+        help=f"device to predict for (default: %(default)s): one of {TARGET_HELP.replace('%', '%%')}; 'cuda' alone"
+        f" assumes an {DEFAULT_GPU.name} (compute capability {_capability(DEFAULT_GPU)}), and the output's first"
+        " line says which GPU was assumed",
     )
     run.add_argument(
-        "--gpu", default=None, help="deprecated, to be removed in the next release: write --target A6000 instead"
+        "--gpu",
+        default=None,
+        help="deprecated, to be removed in the next release: write --target A6000 instead (default: none)",
     )
-    run.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON ('-' for stdout)")
+    run.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the report as JSON to PATH; '-' writes only the JSON to stdout, and the table to stderr"
+        " (default: none, no JSON)",
+    )
+    run.add_argument(
+        "--snapshot",
+        default=None,
+        metavar="PATH",
+        help="also write the step as a PyTorch memory snapshot (a pickle) that"
+        " 'python -m torch.cuda._memory_viz trace_plot PATH -o step.html' renders (default: none)",
+    )
     return parser
 
 
@@ -103,15 +172,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memtenants``: predict a step's memory and print the table (and the JSON, with ``--json``).
 
     Bad input is one line naming the argument, and a failure in the user's own code shows their
-    frames, never ours, so what to fix is the first thing read.
+    frames, never ours, so what to fix is the first thing read. A bare ``memtenants`` (or
+    ``memtenants predict``) prints its help.
 
     Args:
         argv: the arguments after the program's name; ``None`` reads ``sys.argv``.
 
     Returns:
-        The exit code: 0, or 2 for a bad argument or the user's code failing (on stderr).
+        The exit code: 0, or 2 for a bad argument or the user's code failing (on stderr), or for a bare
+        command (its help on stdout).
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv == ["predict"]:  # nothing to do: say what the command takes
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        print((commands.choices["predict"] if argv else parser).format_help(), end="")
+        return 2
     args = parser.parse_args(argv)
     try:
         return _predict(args)
@@ -136,8 +212,12 @@ def _predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
     if not isinstance(init, dict):
         raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
+    shapes: list[Shape] | None = args.input_shape
+    batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
     target, device, gpu = _device(args.device, args.gpu)
+    gpu_target = resolve_target(target)
     json_path = _json_path(args.json)
+    out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout holds the JSON alone
     factory = load_target(args.target)
     if inspect.isclass(factory) and not issubclass(factory, nn.Module):
         raise UsageError(f"{args.target} is a class but not an nn.Module: the command needs a LightningModule")
@@ -155,17 +235,21 @@ def _predict(args: argparse.Namespace) -> int:
             raise _UserCodeFailed(f"building {args.target}", error) from None
         if not isinstance(module, nn.Module) or not callable(getattr(module, "training_step", None)):
             raise UsageError(
-                f"{args.target} built {type(module).__name__}, not a LightningModule with training_step and"
-                " example_batch(batch_size, seq_len=None)"
+                f"{args.target} built {type(module).__name__}, not a LightningModule with training_step (and"
+                " example_batch(batch_size, seq_len=None), or --input-shape for the batch)"
             )
         return module
 
     def make_batch(size: int) -> Any:
+        if shapes is not None:
+            return lambda: _shaped_batch(shapes, size)
+
         def batch(module: Any) -> Any:
             example = getattr(module, "example_batch", None)
             if not callable(example):
                 raise UsageError(
-                    f"{type(module).__name__} has no example_batch(batch_size, seq_len=None) method to build a batch"
+                    f"{type(module).__name__} has no example_batch(batch_size, seq_len=None) method to build a batch:"
+                    " give the batch's shapes instead, one --input-shape per tensor, e.g. --input-shape 8,1024"
                 )
             if args.seq_len is not None and not _takes_two(example):
                 raise UsageError(f"--seq-len: {type(module).__name__}.example_batch takes no seq_len argument")
@@ -181,29 +265,35 @@ def _predict(args: argparse.Namespace) -> int:
         return batch
 
     options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
-    prediction = _run_step(lambda: dry_run(build, make_batch(args.batch_size), **options), args.batch_size)
+    prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
     report = prediction.report
-    print(format_table(report))  # the report's notes include the prediction's own
+    if args.snapshot is not None:
+        write_snapshot(prediction, args.snapshot)
+    print(_header(args, batch_size, shapes, gpu_target), file=out)
+    print(format_table(report), file=out)  # the report's notes include the prediction's own
     largest = None
     if budget is not None:
         # the steady state must fit (the optimizer state and the previous gradients resident), whatever --steps shows
         steady: PredictOptions = {**options, "steps": max(args.steps, 2)}
         largest = _run_step(
-            lambda: largest_batch_size(build, make_batch, budget, margin=args.margin, start=args.batch_size, **steady),
-            args.batch_size,
+            lambda: largest_batch_size(build, make_batch, budget, margin=args.margin, start=batch_size, **steady),
+            batch_size,
         )
         print(
             f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}"
-            f" (a steady-state step {fits_text(budget, args.margin)})"
+            f" (a steady-state step {fits_text(budget, args.margin)})",
+            file=out,
         )
     if args.json is not None:
         document = {
             "target": args.target,
-            "batch_size": args.batch_size,
+            "batch_size": batch_size,
             "seq_len": args.seq_len,
+            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
             "precision": args.precision,
             "device": device,
-            "gpu": gpu,
+            "gpu": gpu if gpu is not None or gpu_target is None else gpu_target.name,
+            "gpu_assumed": gpu_target is not None and gpu is None,
             "budget_bytes": budget,
             "margin": args.margin,
             "limit_bytes": None if budget is None else Budget(budget, args.margin).limit_bytes,
@@ -213,13 +303,70 @@ def _predict(args: argparse.Namespace) -> int:
         }
         text = json.dumps(document, indent=2)
         if json_path is None:
-            print(text)
+            print(text, flush=True)
         else:
             try:
                 json_path.write_text(text + "\n")
             except OSError as error:
                 raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
     return 0
+
+
+def _header(args: argparse.Namespace, batch_size: int, shapes: list[Shape] | None, gpu: CudaTarget | None) -> str:
+    """The output's first line: what was predicted, for which device, and which GPU ``--target cuda`` assumed."""
+    if shapes is not None:
+        batch = "input shapes " + " ".join(_shape_text(s) for s in shapes)
+    else:
+        batch = f"example_batch({batch_size}{'' if args.seq_len is None else f', {args.seq_len}'})"
+    steps = f"{args.steps} step{'s' if args.steps > 1 else ''}"
+    if gpu is None:
+        device = "the CPU"
+    else:
+        device = f"CUDA on {gpu.name} (compute capability {_capability(gpu)})"
+        if args.gpu is None and args.device.strip().lower() == "cuda":
+            device += ", which --target cuda assumes: name your GPU with --target, e.g. --target H100"
+    return f"memtenants predict {args.target}: {batch}, {args.precision}, {steps}, for {device}"
+
+
+def _capability(gpu: CudaTarget) -> str:
+    return f"{gpu.capability[0]}.{gpu.capability[1]}"
+
+
+def _batch_size(batch_size: int | None, seq_len: int | None, shapes: list[Shape] | None) -> int:
+    """The batch size: ``--batch-size`` (1 when not given), or with ``--input-shape`` the shapes' first dimension.
+
+    Raises:
+        UsageError: for shapes of different batch sizes, a ``--batch-size`` that differs from theirs, or a
+            ``--seq-len`` beside them.
+    """
+    if shapes is None:
+        return 1 if batch_size is None else batch_size
+    if seq_len is not None:
+        raise UsageError("--seq-len goes to example_batch; with --input-shape, write the sequence into the shape")
+    if any(not shape for shape, _ in shapes):
+        raise UsageError("--input-shape needs a batch dimension first, e.g. 8,1024, got a shape with no dimension")
+    firsts = sorted({shape[0] for shape, _ in shapes})
+    if len(firsts) > 1:
+        raise UsageError(f"--input-shape: every shape's first dimension is the batch size, got {firsts}")
+    if batch_size is not None and batch_size != firsts[0]:
+        raise UsageError(
+            f"--batch-size {batch_size} differs from the first dimension of --input-shape, {firsts[0]}: give one"
+        )
+    return firsts[0]
+
+
+def _shaped_batch(shapes: list[Shape], size: int) -> tuple[Any, ...]:
+    """The batch of ``--input-shape``, its batch dimension set to ``size``: shapes, and meta tensors for dtypes."""
+    out: list[Any] = []
+    for shape, dtype in shapes:
+        full = (size, *shape[1:])
+        out.append(torch.Size(full) if dtype is None else torch.empty(full, dtype=dtype, device="meta"))
+    return tuple(out)
+
+
+def _shape_text(shape: Shape) -> str:
+    dims, dtype = shape
+    return ",".join(str(d) for d in dims) + ("" if dtype is None else f":{str(dtype).removeprefix('torch.')}")
 
 
 def _device(target: str, gpu: str | None) -> tuple[str, str, str | None]:
@@ -360,6 +507,25 @@ def _fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}")
     return value
+
+
+def _shape(text: str) -> Shape:
+    """``--input-shape``: ``8,1024`` or ``8,512:int64``, positive sizes and a torch dtype's name."""
+    dims, _, dtype_name = text.partition(":")
+    try:
+        shape = tuple(int(d) for d in dims.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be sizes separated by commas, e.g. 8,1024, got {text!r}") from None
+    if any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"sizes must be positive integers, got {text!r}")
+    dtype = None
+    if dtype_name:
+        dtype = getattr(torch, dtype_name.strip(), None)
+        if not isinstance(dtype, torch.dtype):
+            raise argparse.ArgumentTypeError(
+                f"the dtype after ':' must be a torch dtype such as float32, bfloat16 or int64, got {dtype_name!r}"
+            )
+    return shape, dtype
 
 
 def _positive(text: str) -> int:

@@ -32,6 +32,7 @@ from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource, source_for
 from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
+from lightning_memtenants.core.timeline import TimelineRecorder, keep_timeline, tenant_keys
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Measurement, Part, Phase, Tenant
 
 
@@ -111,6 +112,9 @@ class TenantMonitor:
             raise ValueError(f"host_state must be None or a callable of an optimizer, got {brief(host_state)}")
         self.host_state = host_state
         self.measure = True
+        # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
+        self.record_timeline = True
+        self._recorder: TimelineRecorder | None = None
         self.steps_done = 0
         self._warn = warn
         self._guard = Guard(warn, "measuring", self._released)
@@ -238,6 +242,8 @@ class TenantMonitor:
             else:
                 self.observe_output(output)
         reading = self.read_source()
+        if self._recorder is not None:
+            self._guard.run("timeline", self._mark, name)
         if not self.measures("census"):
             return None
         if name == "batch_start" and (self.measure or self.steps_done == 0):
@@ -316,6 +322,7 @@ class TenantMonitor:
         self._step_notes = []
         self._tracker.clear()
         self._tracker.reset_counts()
+        self._drop_recorder()
         self._pause_source()
 
     abandon_step = skip_step
@@ -337,6 +344,7 @@ class TenantMonitor:
             raise ValueError(f"step must be None or a step number (an int, 0 or more), got {brief(step)}")
         micro, self._micro = self._micro, []
         self._tracker.clear()
+        recorder = self._drop_recorder()
         self._pause_source()
         number = self.steps_done if step is None else step
         self.steps_done += 1
@@ -362,7 +370,7 @@ class TenantMonitor:
             explanation = "peak not measured: " + (self.unmeasured_reason or "no memory source measured this step")
         else:
             explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak)
-        return StepReport(
+        report = StepReport(
             step=number,
             phases=phases,
             micro_batches=micro,
@@ -377,6 +385,11 @@ class TenantMonitor:
             notes=notes,
             graph=counts,
         )
+        if recorder is not None and peak is not None:
+            timeline = self._guard.run("timeline", recorder.finish, number, report.memory_source)
+            if timeline is not None:
+                keep_timeline(report, timeline)
+        return report
 
     def close(self) -> None:
         """Remove every hook and mode this monitor registered; safe to call more than once."""
@@ -386,6 +399,7 @@ class TenantMonitor:
         self._tracker.reset_counts()
         self._state_bytes = None
         self._measuring = False
+        self._drop_recorder()
         self._guard.run("memory source", self.source.stop)
 
     # -- inside ----------------------------------------------------------------------------------
@@ -397,8 +411,36 @@ class TenantMonitor:
             and (self.measure or self.source.every_step)
         )
         if self._measuring:
+            if self.record_timeline and isinstance(self.source, TrackerSource) and self.measures("timeline"):
+                # module paths only in a dry run: hooks on a training model's modules would change what
+                # torch.compile compiles (its guards read the hooks), and measuring never changes the program
+                named = self.module if self.source.tracker.count_fake else None
+                self._recorder = TimelineRecorder(named)
+                self._recorder.attach(self.source.tracker)
             self._guard.run("memory source", self.source.start, self._roots(batch))
             self._measuring = self.measures("memory source")
+            if not self._measuring:
+                self._drop_recorder()
+
+    def _drop_recorder(self) -> TimelineRecorder | None:
+        """Stop the step's timeline recorder (its hooks go); the recorder, to finish, or None."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.detach()
+        return recorder
+
+    def _mark(self, name: Phase) -> None:
+        """A phase boundary on the timeline, with the storages of the tenants known now."""
+        assert self._recorder is not None
+        tensors = self._counter.tensors
+        saved = self._tracker.storages() if self.measures("activations") else []
+        keys = tenant_keys(
+            tensors,
+            (t.grad for t in tensors if t.grad is not None),
+            optimizer_state_tensors(self.optimizers, self.host_state),
+            saved,
+        )
+        self._recorder.mark(name, keys)
 
     def _pause_source(self) -> None:
         if self._measuring and not self.source.every_step:
@@ -417,6 +459,8 @@ class TenantMonitor:
             self._tracker.clear()
         if part == "memory source":
             self._stop_source()
+        if part == "timeline":
+            self._drop_recorder()
 
     def _read_parts(self) -> dict[Part, int]:
         parts: dict[Part, int] = {}

@@ -165,6 +165,8 @@ class _Mode(TorchDispatchMode):
         if type(out) in _HOLDS_NO_TENSOR:  # a query (the device a fake tensor reports, a size): nothing to count
             return out
         tracker = self.tracker
+        if tracker.recorder is not None and not tracker.unseen:
+            tracker.recorder.begin_op(func)
         if tracker.rewrite is not None:
             out = tracker.rewrite(func, args, kwargs, out)
         if tracker.error is not None or tracker.unseen:
@@ -271,6 +273,8 @@ class LiveTensorTracker:
         # ``rewrite(func, args, kwargs, out) -> out``, called on the outputs of every operator that can hold tensors
         # before they are counted and returned, while the tracker runs (a dry run's corrections of fake kernels)
         self.rewrite: Callable[[Any, Any, Any, Any], Any] | None = None
+        # a ``TimelineRecorder`` told of every allocation, free and operator, on the steps it records; else None
+        self.recorder: Any = None
         # the devices whose storages are counted, and those that are not, as operators have shown them
         self._counted_devices: set[torch.device] = set()
         self._other_devices: set[torch.device] = set()
@@ -447,6 +451,10 @@ class LiveTensorTracker:
         elif known[1] != nbytes:
             self._live[key] = (known[0], nbytes)
             self._grow(nbytes - known[1])
+        else:
+            return
+        if self.recorder is not None:
+            self.recorder.alloc(key, nbytes)
 
     def check_limit(self, before: int) -> None:
         """Raise a CUDA-style OOM when an operator took live bytes past ``limit_bytes``.
@@ -489,5 +497,7 @@ class LiveTensorTracker:
                 self.rounding_bytes -= self._pad.pop(key, 0)
                 if self.allocator is not None:
                     self.allocator.free(key)
+                if self.recorder is not None:
+                    self.recorder.free(key)
 
         return freed

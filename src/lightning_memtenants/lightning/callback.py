@@ -25,6 +25,7 @@ from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memo
 from lightning_memtenants.lightning.ranks import gather_or_warn
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import Phase
+from lightning_memtenants.render.table import fit_summary
 from lightning_memtenants.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -45,7 +46,13 @@ class MemoryTenantsCallback(Callback):
     for the optimizer and dtypes in use. A memory source adds allocated bytes and the peak of
     each phase window, so the step's true peak can be set against the sum of its tenants.
     Scalars go to the trainer's loggers on the steps Lightning logs (and the first), under
-    ``memtenants`` and the logger's separator; a table is printed at the end of fit.
+    ``memtenants`` and the logger's separator.
+
+    At the end of fit, rank zero prints a summary to standard output (``print``, where Lightning prints
+    ``trainer.validate``'s and ``trainer.test``'s results, not the logging on standard error): the table of the
+    first step and of the last step whose peak was measured, and the largest batch for the budget. With a
+    TensorBoardLogger the same summary, in markdown, goes to ``<log_dir>/memtenants_summary.md`` and to
+    TensorBoard's text tab (``memtenants/summary``); the printed text ends with that file's path.
 
     Args:
         track_activations: count what autograd saves for backward, read from the loss's graph
@@ -58,7 +65,8 @@ class MemoryTenantsCallback(Callback):
             logged steps.
         log_every_n_steps: log every this many optimizer steps; ``None`` follows the
             trainer's ``log_every_n_steps``.
-        print_summary: print the table of the first and last steps at the end of fit.
+        print_summary: print the summary at the end of fit, on rank zero, to standard output: the tables of
+            the first and the last measured steps, and with a budget the largest batch.
         budget_bytes: the memory the step may use, in bytes or a string like ``"24GiB"``.
             ``None`` uses the CUDA device's total (reduced by ``set_per_process_memory_fraction``);
             on CPU there is no budget unless given, and no headroom warnings.
@@ -69,7 +77,8 @@ class MemoryTenantsCallback(Callback):
         postmortem_dir: where an OOM postmortem is written; ``None`` uses the logger's
             directory, else the working directory.
         record_history: on CUDA, record the allocator's history and dump a snapshot for
-            pytorch.org/memory_viz next to the postmortem.
+            pytorch.org/memory_viz next to the postmortem after an OOM, and in the log dir at the end of
+            fit (``memtenants_snapshot.pickle``, named in the summary).
         desk_every_n_logs: with a TensorBoardLogger, log the desk picture on every this-many-th
             logging step (the first included); ``0``: only at the end of fit.
         reset_peak_stats: on CUDA and other accelerators, reset the allocator's peak counter at
@@ -440,25 +449,38 @@ class MemoryTenantsCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the hooks, write TensorBoard's summary and desk, and print the first and last steps' tables."""
+        """Remove the hooks, write TensorBoard's summary and desk, and print the summary (rank zero, stdout)."""
+        # record_history on CUDA: the allocator's own view of the fit, for memory_viz, before the history stops
+        history = self._postmortem.dump_history(rank=self._rank, world_size=self._world_size)
         self._close()
         latest = self.latest
         if latest is None:
             return
-        reports = [latest] if self.first in (None, latest) else [self.first, latest]  # type: ignore[list-item]
         largest, how = None, ""
         if self.print_summary and self.budget is not None:  # the line printed under the tables
             largest = self._logged_max_batch_size if self._gathered else self._alerts.logged_max_batch_size()
             how = self._alerts.how_found() + (", the minimum over ranks" if self._gathered else "")
-        self._logs.fit_end(
-            trainer,
-            reports,
-            self.latest_measured or latest,
+        why = None
+        if isinstance(self._source, TrackerSource) and not self.track_every_step:
+            why = "the live-tensor tracker measures the first step and the steps Lightning logs; set"
+            why += " track_every_step=True, or log_every_n_steps, to measure others"
+        summary = fit_summary(
+            self.first,
+            latest,
+            self.latest_measured,
             self.budget,
-            print_summary=self.print_summary,
             max_batch_size=largest,
             margin=self.margin,
             how=how,
+            unmeasured_why=why,
+        )
+        if history is not None:
+            summary.lines.append(
+                f"the allocator's history (record_history): {history}; render it with"
+                f" python -m torch.cuda._memory_viz trace_plot {history} -o memory.html"
+            )
+        self._logs.fit_end(
+            trainer, summary, self.latest_measured or latest, self.budget, print_summary=self.print_summary
         )
 
     @override

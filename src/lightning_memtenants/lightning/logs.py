@@ -11,9 +11,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_memtenants._private import batches_that_stepped
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
-from lightning_memtenants.render.table import fits_text, format_table
+from lightning_memtenants.render.table import Summary, summary_text, summary_to_markdown
 from lightning_memtenants.render.tags import budget_metrics, metrics, rank_metrics
-from lightning_memtenants.render.tensorboard import TensorBoardPanels
+from lightning_memtenants.render.tensorboard import SUMMARY_MD, TensorBoardPanels
 from lightning_memtenants.units import MiB
 
 
@@ -58,7 +58,7 @@ class Logs:
             trainer: the Trainer whose loggers get the reports.
         """
         self.panels = None
-        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        boards = [logger for logger in trainer.loggers if is_tensorboard_logger(logger)]
         if trainer.loggers and not boards:
             names = ", ".join(type(logger).__name__ for logger in trainer.loggers)
             self._info(
@@ -140,37 +140,41 @@ class Logs:
     def fit_end(
         self,
         trainer: pl.Trainer,
-        reports: list[StepReport],
+        summary: Summary,
         desk: StepReport,
         budget_bytes: int | None,
         *,
         print_summary: bool = True,
-        max_batch_size: int | None = None,
-        margin: float = 0.05,
-        how: str = "",
+        say: Callable[[str], Any] | None = None,
     ) -> None:
-        """The summary and the desk picture, at the end of fit, and the tables printed.
+        """The summary and the desk picture, at the end of fit, and the summary printed.
+
+        The printed summary and the markdown one (TensorBoard's text panel and ``memtenants_summary.md``) are
+        rendered from the same :class:`Summary`, so they say the same things in the same order.
 
         Args:
             trainer: the Trainer.
-            reports: the steps to summarise (the first and the last).
+            summary: what :func:`fit_summary` built.
             desk: the step to draw.
             budget_bytes: the budget, or None.
-            print_summary: also print each report's table (rank zero's notice), and the largest batch.
-            max_batch_size: the largest batch that fits the budget less the margin, or None.
-            margin: the margin it was found under.
-            how: how it was found, in words (``"exact, by dry runs of the step"``).
+            print_summary: also print the summary, on rank zero, through ``say``.
+            say: how it is printed; None: :func:`print` to standard output.
         """
         if self.panels is not None:
-            self.panels.on_fit_end(reports, batches_that_stepped(trainer), budget_bytes, desk)
-        if print_summary:
-            for report in reports:
-                self._info(format_table(report, budget_bytes))
-            if max_batch_size is not None and budget_bytes is not None:
-                self._info(
-                    f"memtenants: the largest batch is {max_batch_size:,} samples: a steady-state step"
-                    f" {fits_text(budget_bytes, margin)}{f'; {how}' if how else ''}"
-                )
+            self.panels.on_fit_end(
+                summary.reports,
+                batches_that_stepped(trainer),
+                budget_bytes,
+                desk,
+                summary=summary_to_markdown(summary),
+            )
+        if print_summary and trainer.is_global_zero:
+            text = summary_text(summary)
+            written = [d / SUMMARY_MD for d in (self.panels.log_dirs if self.panels is not None else [])]
+            written = [path for path in written if path.is_file()]
+            if written:
+                text += f"\nmemtenants: the same summary in markdown: {', '.join(str(p) for p in written)}"
+            (say or _print)(text)
 
     def postmortem(self, trainer: pl.Trainer, record: dict[str, Any], latest: StepReport | None) -> None:
         """The postmortem, as text in TensorBoard.
@@ -182,6 +186,30 @@ class Logs:
         """
         if self.panels is not None:
             self.panels.on_postmortem(record, batches_that_stepped(trainer), latest)
+
+
+def is_tensorboard_logger(logger: Any) -> bool:
+    """Whether ``logger`` is Lightning's TensorBoardLogger, from ``lightning.pytorch`` or ``pytorch_lightning``.
+
+    The two packages ship the same class under two names; ``pytorch_lightning`` is not imported to ask.
+
+    Args:
+        logger: one of the trainer's loggers.
+
+    Returns:
+        True for either package's TensorBoardLogger or a subclass of it.
+    """
+    if isinstance(logger, TensorBoardLogger):
+        return True
+    return any(
+        cls.__name__ == "TensorBoardLogger" and cls.__module__.startswith("pytorch_lightning.")
+        for cls in type(logger).__mro__
+    )
+
+
+def _print(text: str) -> None:
+    """The end-of-fit summary on standard output, where Lightning prints ``validate``'s and ``test``'s results."""
+    print(text, flush=True)
 
 
 def _show(pl_module: pl.LightningModule, headroom_bytes: int) -> None:

@@ -52,6 +52,23 @@ class Postmortem:
         if self.record_history and device.type == "cuda":
             self._recording = self.guard.run("the allocator history", _record, True) is not None
 
+    def dump_history(self, *, rank: int, world_size: int) -> Path | None:
+        """Write the allocator's history so far for memory_viz, at the end of fit; None where none was recorded.
+
+        Args:
+            rank: this process's rank, in the file's name where there are several.
+            world_size: the number of ranks.
+
+        Returns:
+            The snapshot's path, in the log dir (or ``directory``, or the working directory).
+        """
+        if not self._recording:
+            return None
+        directory = Path(self.directory or self.log_dir or os.getcwd())
+        path = directory / ("memtenants_snapshot" + (f"_rank{rank}" if world_size > 1 else "") + ".pickle")
+        written = self.guard.run("the allocator history", _dump, path)
+        return path if written is not None else None
+
     def stop(self) -> None:
         """End the allocator's history, if this object began it."""
         if self._recording:
@@ -143,6 +160,12 @@ class Postmortem:
 
 def _record(on: bool) -> bool:
     record_history(on)
+    return True
+
+
+def _dump(path: Path) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dump_snapshot(str(path))
     return True
 
 

@@ -27,6 +27,7 @@ from lightning_memtenants.checks import brief
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
+from lightning_memtenants.core.timeline import StepTimeline, timeline_of
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
 from lightning_memtenants.predict.cuda_kernels import CudaKernels, attention_note, fused_attention_rewrite
 from lightning_memtenants.predict.cuda_model import (
@@ -121,6 +122,13 @@ class Prediction:
         """The last step's report (the first step, with ``steps=1``)."""
         return self.reports[-1]
 
+    @property
+    def timeline(self) -> StepTimeline:
+        """The last step's memory timeline: allocated bytes over its operators, stacked by tenant."""
+        found = timeline_of(self.report)
+        assert found is not None, "every dry-run step records its timeline"
+        return found
+
 
 def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions]) -> StepReport:
     """The memory report of a training step, predicted under fake tensors with no real memory.
@@ -151,7 +159,7 @@ def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
 
     Example::
 
-        report = predict(SeedMLP(), torch.Size([2048, 1024]), target="A6000")
+        report = predict(SeedMLP(), (torch.Size([2048, 1024]),), target="A6000")
         report.peak_bytes, report.tenants_bytes["activations"]
     """
     return dry_run(model, batch, **options).report
@@ -312,7 +320,7 @@ def sweep(
 
     Example::
 
-        forecast, _ = sweep(SeedMLP(), lambda b: torch.Size([b, 1024]), (256, 512))
+        forecast, _ = sweep(SeedMLP(), lambda b: (torch.Size([b, 1024]),), (256, 512))
         forecast.max_batch_size("24GiB")  # 24 GiB less a 5% margin, as largest_batch_size answers
     """
     if len(batch_sizes) < 1 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):

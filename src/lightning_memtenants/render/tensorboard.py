@@ -1,4 +1,4 @@
-"""TensorBoard panels: the custom-scalars layout, the desk picture and the markdown summary.
+"""TensorBoard panels: the custom-scalars layout, the desk picture, the timeline and the markdown summary.
 
 The builders take a :class:`StepReport` and return plain values (a layout dict, a matplotlib
 figure, an RGB array, markdown), so a hand-written loop can log them with its own
@@ -7,6 +7,7 @@ figure, an RGB array, markdown), so a hand-written loop can log them with its ow
 
 from __future__ import annotations
 
+import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,13 +19,16 @@ from matplotlib.figure import Figure
 
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.core.timeline import timeline_of
 from lightning_memtenants.names import PHASES, TENANTS
 from lightning_memtenants.render.postmortem import postmortem_markdown
 from lightning_memtenants.render.table import summary_markdown
 from lightning_memtenants.render.tags import DESK, POSTMORTEM, SUMMARY, custom_scalars_layout, tag
+from lightning_memtenants.render.timeline import TIMELINE, TIMELINE_PNG, timeline_figure
 from lightning_memtenants.units import MiB
 
 DESK_PNG = "memtenants_desk.png"
+DESK_FIRST_PNG = "memtenants_desk_first.png"
 SUMMARY_MD = "memtenants_summary.md"
 
 # Matplotlib's default cycle, chosen so that the peak marker (black) and the budget (dark red) stand out.
@@ -36,6 +40,9 @@ _COLORS = {
     "other": "#8c8c8c",
     "fragmentation": "#d9d9d9",
 }
+WINDOW_PEAK = "window peak"
+# A layer thinner than this share of the chart gets its value written on it.
+_THIN = 0.04
 
 
 def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
@@ -62,14 +69,16 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
     axes = figure.add_subplot()
     xs = np.arange(len(names))
     bottom = np.zeros(len(names))
+    drawn: list[tuple[str, np.ndarray, np.ndarray]] = []
     for label, heights in layers.items():
         if label in ("other", "fragmentation") and not any(heights):
             continue
         axes.bar(xs, heights, 0.6, bottom=bottom, label=label, color=_COLORS[label], edgecolor="white", linewidth=0.5)
+        drawn.append((label, bottom.copy(), np.asarray(heights)))
         bottom += np.asarray(heights)
     windows = np.array([np.nan if p.window_peak_bytes is None else p.window_peak_bytes / MiB for p in phases])
     if not np.isnan(windows).all():
-        axes.hlines(windows, xs - 0.4, xs + 0.4, colors="black", linestyles=":", linewidth=1.5, label="window peak")
+        axes.hlines(windows, xs - 0.4, xs + 0.4, colors="black", linestyles=":", linewidth=1.5, label=WINDOW_PEAK)
     top = float(np.fmax(bottom, np.nan_to_num(windows)).max()) if len(bottom) else 0.0
     if report.peak_bytes is not None and report.peak_phase in names:
         x = names.index(report.peak_phase)
@@ -89,9 +98,10 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
         else:
             budget_note = f"budget {budget:,.0f} MiB, above the chart"
     axes.set_ylim(0, top * 1.12 if top else 1)
+    _label_thin_layers(axes, drawn, top)
     measured = [p.allocated_bytes is not None for p in phases]
     ticks = [f"{n}\n{t:,.1f} MiB" if m else n for n, t, m in zip(names, bottom, measured, strict=True)]
-    axes.set_xticks(xs, ticks, fontsize=10)
+    axes.set_xticks(xs, ticks, fontsize=9)
     axes.set_ylabel("allocated (MiB)")
     axes.grid(axis="y", alpha=0.3)
     axes.set_axisbelow(True)
@@ -102,7 +112,49 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
     stack = [i for i in order if labels[i] in layers][::-1]  # top of the stack first, as drawn
     order = [i for i in order if labels[i] not in layers] + stack
     axes.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left", bbox_to_anchor=(1.01, 1))
+    caption = desk_caption(report)
+    if caption:
+        figure.supxlabel(caption, x=0.01, ha="left", fontsize=9, linespacing=1.3)
     return figure
+
+
+def desk_caption(report: StepReport) -> str:
+    """The words under the desk: why the star sits where it does (the peak's explanation), wrapped."""
+    if report.peak_bytes is None:
+        return textwrap.fill(report.peak_explanation, 150)
+    lines = [
+        f"Star: the step's true peak ({report.peak_bytes / MiB:,.2f} MiB, in the window ending at {report.peak_phase})."
+        " Each bar is a snapshot at its phase; the peak can fall between snapshots."
+        " Dotted: the window peak, the highest allocated since the phase before."
+    ]
+    lines.append("Why: " + report.peak_explanation.removeprefix("- "))
+    return "\n".join(textwrap.fill(line, 150, subsequent_indent="    ") for line in lines)
+
+
+def _label_thin_layers(axes: Any, drawn: list[tuple[str, np.ndarray, np.ndarray]], top: float) -> None:
+    """Write the value on each layer too thin to read against the chart's height (9 MiB of activations)."""
+    if top <= 0:
+        return
+    tops = sum(heights for _, _, heights in drawn)
+    stacked = [0] * len(tops)  # labels already written above each bar
+    for label, bottoms, heights in drawn:
+        if label not in TENANTS:  # other and fragmentation: named in the legend, never thin enough to matter
+            continue
+        for x, (base, height) in enumerate(zip(bottoms, heights, strict=True)):
+            if 0 < height < _THIN * top:
+                stacked[x] += 1
+                axes.annotate(
+                    f"{label} {height:,.2f} MiB",
+                    (x + 0.3, base + height / 2),
+                    xytext=(x, tops[x] + (0.06 + 0.05 * stacked[x]) * top),
+                    textcoords="data",
+                    ha="center",
+                    va="bottom",
+                    fontsize=8.5,
+                    color=_COLORS[label],
+                    fontweight="bold",
+                    arrowprops={"arrowstyle": "-", "color": _COLORS[label], "linewidth": 1, "shrinkB": 0},
+                )
 
 
 def figure_rgb(figure: Figure) -> np.ndarray:
@@ -152,6 +204,7 @@ class TensorBoardPanels:
         self.guard = Guard(warn, "drawing")
         self._logs = 0
         self._drawn: int | None = None  # the report step of the last picture, not to draw it twice
+        self._timeline_drawn: int | None = None
         self._last_log: tuple[int, int] | None = None  # (report step, logger step) of the last logged report
 
     def write_layout(self) -> None:
@@ -172,9 +225,15 @@ class TensorBoardPanels:
         self._last_log = (report.step, step)
         if every and (self._logs - 1) % every == 0:
             self.guard.run("the desk picture", self._desk, report, step, budget_bytes, False)
+            self.guard.run("the timeline", self._timeline, report, step, budget_bytes, False)
 
     def on_fit_end(
-        self, reports: Sequence[StepReport], step: int, budget_bytes: int | None = None, desk: StepReport | None = None
+        self,
+        reports: Sequence[StepReport],
+        step: int,
+        budget_bytes: int | None = None,
+        desk: StepReport | None = None,
+        summary: str | None = None,
     ) -> None:
         """At the end of fit: the summary of ``reports`` as text, and the desk of ``desk`` as image and PNG.
 
@@ -183,12 +242,18 @@ class TensorBoardPanels:
             step: the logger's step, where a report was not logged.
             budget_bytes: the budget, or None.
             desk: the step to draw (the last measured one), or None.
+            summary: the summary's markdown as the callback prints it (``render.table.summary_to_markdown``);
+                None: each report's table.
         """
         if desk is not None:
             self.guard.run("the desk picture", self._desk, desk, self._logger_step(desk, step), budget_bytes, True)
+            self.guard.run("the timeline", self._timeline, desk, self._logger_step(desk, step), budget_bytes, True)
+            first = reports[0] if reports else None
+            if first is not None and first.step != desk.step and first.peak_bytes is not None:
+                self.guard.run("the desk picture", self._desk_first, first, budget_bytes)
         if reports:
             self.guard.run(
-                "the text summary", self._summary, reports, self._logger_step(reports[-1], step), budget_bytes
+                "the text summary", self._summary, reports, self._logger_step(reports[-1], step), budget_bytes, summary
             )
 
     def on_postmortem(self, record: dict[str, Any], step: int, latest: StepReport | None = None) -> None:
@@ -218,12 +283,32 @@ class TensorBoardPanels:
             self._drawn = report.step
             self._each("add_image", self._tag(DESK), figure_rgb(figure), step, dataformats="HWC")
         if save:
-            for directory in self.log_dirs:
-                directory.mkdir(parents=True, exist_ok=True)
-                figure.savefig(directory / DESK_PNG, format="png")
+            self._save(figure, DESK_PNG)
 
-    def _summary(self, reports: Sequence[StepReport], step: int, budget_bytes: int | None) -> None:
-        text = "\n\n".join(summary_markdown(report, budget_bytes) for report in reports)
+    def _timeline(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
+        line = timeline_of(report)
+        if line is None:  # a step the live-tensor tracker did not measure (or a CUDA run): no timeline
+            return
+        figure = timeline_figure(line, budget_bytes)
+        if report.step != self._timeline_drawn:
+            self._timeline_drawn = report.step
+            self._each("add_image", self._tag(TIMELINE), figure_rgb(figure), step, dataformats="HWC")
+        if save:
+            self._save(figure, TIMELINE_PNG)
+
+    def _desk_first(self, report: StepReport, budget_bytes: int | None) -> None:
+        """The first step's desk, where the optimizer state appears, saved beside the last step's."""
+        self._save(desk_figure(report, budget_bytes), DESK_FIRST_PNG)
+
+    def _save(self, figure: Figure, name: str) -> None:
+        for directory in self.log_dirs:
+            directory.mkdir(parents=True, exist_ok=True)
+            figure.savefig(directory / name, format="png")
+
+    def _summary(
+        self, reports: Sequence[StepReport], step: int, budget_bytes: int | None, summary: str | None = None
+    ) -> None:
+        text = summary if summary is not None else "\n\n".join(summary_markdown(r, budget_bytes) for r in reports)
         self._each("add_text", self._tag(SUMMARY), text, step)
         self._each("flush")
         for directory in self.log_dirs:

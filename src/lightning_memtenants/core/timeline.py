@@ -1,0 +1,417 @@
+"""A step's memory timeline: every allocation and free the live-tensor tracker sees, operator by operator.
+
+A :class:`TimelineRecorder` is fed by a :class:`~lightning_memtenants.core.tracker.LiveTensorTracker`
+on the steps it tracks (and in dry runs), never on other steps. It keeps, per allocation, its
+bytes, the operator that made it and the module that was running, and the phase boundaries
+with the tensors of the known tenants at each; :meth:`TimelineRecorder.finish` turns that into
+a :class:`StepTimeline`: allocated bytes after each event, stacked by tenant, subsampled to a few
+thousand points that keep the peak to the byte.
+
+Module paths come from a forward pre-hook and hook on each of the model's modules (a stack of the modules
+whose forward runs), removed when the step ends, and,
+for backward, from a pre-hook on each autograd node a module's forward made, stamped when that
+forward returns. ``AccumulateGrad`` nodes are never hooked (a hook there could keep the gradient
+from being stolen, and so change the memory measured).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+# The layers of the stack, bottom first; the last is everything the tenants do not name.
+LAYERS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+LAYER_LABELS: dict[str, str] = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved)",
+    "temporaries": "temporaries and other",
+}
+# Before the first phase: what was resident when the tracker started.
+RESIDENT = "resident at batch_start"
+_STAMP = "memtenants_module"
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+
+
+@dataclass
+class StepTimeline:
+    """Allocated bytes over one step's operators, stacked by tenant, with the phases and the peak.
+
+    Args:
+        step: the optimizer step.
+        op_index: per point, how many operators had been dispatched in the step (the x axis).
+        layers: per layer of :data:`LAYERS`, its bytes at each point.
+        total_bytes: the allocated bytes at each point (the sum of the layers).
+        phases: each phase boundary, in order: ``(phase, op_index, allocated bytes)``.
+        peak_bytes: the highest allocated bytes of the step: the report's ``peak_bytes``, to the byte.
+        peak_op_index: the operator at the peak (its index in the step).
+        peak_op: the operator that allocated at the peak (``aten.mul``), or what did (the tracker's start).
+        peak_module: the module path running at the peak (``blocks.0.mlp.fc (backward)``), or the region
+            (``optimizer step``); ``""`` where none.
+        peak_phase: the phase whose window holds the peak.
+        peak_point: the index of the peak among the points.
+        ops: the operators dispatched in the step.
+        events: the allocations and frees recorded.
+        source: the memory source's status.
+        trace: the raw events for a memory snapshot: ``(action, allocation, op_index)`` with action
+            ``"alloc"`` or ``"free"``; empty if the step had more than the recorder's bound.
+        allocations: per allocation: ``(bytes, operator, module path, op_index)``.
+        resident: the allocations alive when the step's first phase began.
+    """
+
+    step: int
+    op_index: list[int]
+    layers: dict[str, list[int]]
+    total_bytes: list[int]
+    phases: list[tuple[str, int, int]]
+    peak_bytes: int
+    peak_op_index: int
+    peak_op: str
+    peak_module: str
+    peak_phase: str | None
+    peak_point: int
+    ops: int
+    events: int
+    source: str = ""
+    trace: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
+    allocations: list[tuple[int, str, str, int]] = field(default_factory=list, repr=False)
+    resident: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_label(self) -> str:
+        """The operator at the peak and where it ran: ``aten.mm in blocks.0.fc (backward)``."""
+        return f"{self.peak_op} in {self.peak_module}" if self.peak_module else self.peak_op
+
+
+class TimelineRecorder:
+    """Records one step's allocations and frees as a tracker sees them; the tracker calls it.
+
+    Args:
+        module: the model, whose module paths name the operators; ``None`` names none.
+        max_events: the raw events kept for a memory snapshot; past it, the snapshot is left out
+            (the timeline itself is still exact).
+        max_points: about how many points the timeline keeps (two per bucket: its highest and lowest).
+    """
+
+    def __init__(self, module: nn.Module | None = None, *, max_events: int = 200_000, max_points: int = 2000) -> None:
+        self.max_events = max_events
+        self.max_points = max_points
+        self.ops = 0
+        self.op: Any = None
+        self.where = ""
+        self._allocs: list[tuple[int, int, int, int]] = []  # (key, bytes, label id, op index)
+        self._trace: list[int] = []  # allocation i as i + 1, its free as -(i + 1)
+        self._trace_ops: list[int] = []
+        self._live: dict[int, int] = {}  # storage key -> allocation
+        self._labels: dict[tuple[Any, str], int] = {}
+        self._marks: list[tuple[str, int, int, dict[str, set[int]]]] = []  # (phase, events, op index, tenant keys)
+        self._modules = list(module.named_modules()) if module is not None else []
+        self._names = {id(m): name for name, m in self._modules}
+        self._stack: list[tuple[str, list[Any]]] = []
+        self._hooks: list[Any] = []
+        self._tracker: Any = None
+
+    # -- the tracker's side ---------------------------------------------------------------------
+
+    def attach(self, tracker: Any) -> None:
+        """Follow ``tracker`` from now on; the storages it already knows are resident."""
+        self._tracker = tracker
+        for key, (_, nbytes) in list(tracker._live.items()):
+            self.alloc(key, nbytes)
+        tracker.recorder = self
+        for _, module in self._modules:  # the model's own modules, not global hooks (torch.compile warns of those)
+            self._hooks.append(module.register_forward_pre_hook(self._forward_in))
+            self._hooks.append(module.register_forward_hook(self._forward_out))
+
+    def detach(self) -> None:
+        """Stop following the tracker and remove the module hooks; safe to call twice."""
+        if self._tracker is not None and self._tracker.recorder is self:
+            self._tracker.recorder = None
+        self._tracker = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._stack = []
+
+    def begin_op(self, func: Any) -> None:
+        """An operator is dispatched: what it allocates is its."""
+        self.ops += 1
+        self.op = func
+
+    def alloc(self, key: int, nbytes: int) -> None:
+        """A storage the tracker counts from now on, of ``nbytes`` (or a resize to them)."""
+        old = self._live.get(key)
+        if old is not None:
+            self._event(-(old + 1))
+        label = (self.op, self.where)
+        ident = self._labels.get(label)
+        if ident is None:
+            ident = self._labels[label] = len(self._labels)
+        index = len(self._allocs)
+        self._allocs.append((key, nbytes, ident, self.ops))
+        self._live[key] = index
+        self._event(index + 1)
+
+    def free(self, key: int) -> None:
+        """A storage the tracker counted is freed."""
+        index = self._live.pop(key, None)
+        if index is not None:
+            self._event(-(index + 1))
+
+    def _event(self, code: int) -> None:
+        self._trace.append(code)
+        self._trace_ops.append(self.ops)
+
+    # -- the monitor's side ---------------------------------------------------------------------
+
+    def mark(self, phase: str, tenants: dict[str, Iterable[int]]) -> None:
+        """A phase boundary (right after the memory source was read), with the storage keys of each tenant."""
+        self._marks.append((phase, len(self._trace), self.ops, {t: set(keys) for t, keys in tenants.items()}))
+        if phase in ("after_backward", "before_optimizer_step") or phase == "batch_end":
+            self.where = ""
+
+    def finish(self, step: int, source: str = "") -> StepTimeline | None:
+        """The step's timeline; ``None`` where no phase was marked."""
+        self.detach()
+        if not self._marks:
+            return None
+        n = len(self._trace)
+        codes = np.asarray(self._trace, dtype=np.int64)
+        ops = np.asarray(self._trace_ops, dtype=np.int64)
+        sizes = np.asarray([a[1] for a in self._allocs], dtype=np.int64)
+        layer = self._classify()
+        index = np.abs(codes) - 1
+        signs = np.where(codes > 0, 1, -1)
+        deltas = np.zeros((n, len(LAYERS)), dtype=np.int64)
+        if n:
+            deltas[np.arange(n), layer[index]] = signs * sizes[index]
+        stacked = np.cumsum(deltas, axis=0)
+        totals = stacked.sum(axis=1)
+        first, last = self._marks[0][1], self._marks[-1][1]
+        # the report's peak: the windows from each batch_start to the phases after it
+        windows = np.zeros(n, dtype=bool)
+        start = None
+        for phase, position, _, _ in self._marks:
+            if phase == "batch_start":
+                start = position
+            elif start is not None:
+                windows[start:position] = True
+        at_marks = [p - 1 for _, p, _, _ in self._marks if p > 0]
+        candidates = np.flatnonzero(windows)
+        candidates = np.union1d(candidates, np.asarray(at_marks, dtype=np.int64))
+        if len(candidates):
+            best = int(candidates[np.argmax(totals[candidates])])
+            peak = int(totals[best])
+        else:
+            best, peak = -1, 0
+        # the points: the state at the first mark, then every event up to the last, subsampled
+        keep = _subsample(totals, first, last, self.max_points, best)
+        base = stacked[first - 1] if first > 0 else np.zeros(len(LAYERS), dtype=np.int64)
+        xs = [self._marks[0][2]] + [int(ops[i]) for i in keep]
+        layers = {name: [int(base[j])] + [int(stacked[i, j]) for i in keep] for j, name in enumerate(LAYERS)}
+        total = [int(base.sum())] + [int(totals[i]) for i in keep]
+        labels = {ident: label for label, ident in self._labels.items()}
+        peak_op, peak_where, peak_index = "tracker start", "", self._marks[0][2]
+        if best >= first and codes[best] > 0:
+            _, _, ident, peak_index = self._allocs[int(codes[best]) - 1]
+            func, peak_where = labels[ident]
+            peak_op = op_name(func)
+        peak_phase = None
+        for phase, position, _, _ in self._marks:
+            if best < position:
+                peak_phase = phase
+                break
+        region = _region(self._marks, peak_index)
+        if not peak_where and region:
+            peak_where = region
+        phases = [(phase, op_at, int(totals[p - 1]) if p > 0 else 0) for phase, p, op_at, _ in self._marks]
+        trace: list[tuple[str, int, int]] = []
+        allocations: list[tuple[int, str, str, int]] = []
+        resident: list[int] = []
+        if n <= self.max_events:
+            names = {ident: (op_name(func), where) for ident, (func, where) in labels.items()}
+            allocations = [(nbytes, *names[ident], at) for _, nbytes, ident, at in self._allocs]
+            trace = [
+                ("alloc" if c > 0 else "free", abs(c) - 1, int(o))
+                for c, o in zip(self._trace, self._trace_ops, strict=True)
+            ]
+            alive: set[int] = set()
+            for code in self._trace[:first]:
+                (alive.add if code > 0 else alive.discard)(abs(code) - 1)
+            resident = sorted(alive)
+            trace = trace[first:last]
+        return StepTimeline(
+            step=step,
+            op_index=xs,
+            layers=layers,
+            total_bytes=total,
+            phases=phases,
+            peak_bytes=peak,
+            peak_op_index=int(peak_index),
+            peak_op=peak_op,
+            peak_module=peak_where,
+            peak_phase=peak_phase,
+            peak_point=keep.index(best) + 1 if best in keep else 0,
+            ops=self.ops,
+            events=n,
+            source=source,
+            trace=trace,
+            allocations=allocations,
+            resident=resident,
+        )
+
+    def _classify(self) -> np.ndarray:
+        """Each allocation's layer: a tenant whose tensors held it at a phase boundary, else temporaries."""
+        layer = np.full(len(self._allocs), len(LAYERS) - 1, dtype=np.int64)
+        marks = iter(self._marks)
+        mark = next(marks, None)
+        live: dict[int, int] = {}
+        for position in range(len(self._trace) + 1):
+            while mark is not None and mark[1] == position:
+                for rank, name in enumerate(LAYERS[:-1]):
+                    for key in mark[3].get(name, ()):
+                        index = live.get(key)
+                        if index is not None and layer[index] > rank:
+                            layer[index] = rank
+                mark = next(marks, None)
+            if position == len(self._trace):
+                break
+            code = self._trace[position]
+            if code > 0:
+                live[self._allocs[code - 1][0]] = code - 1
+            else:
+                key = self._allocs[-code - 1][0]
+                if live.get(key) == -code - 1:
+                    del live[key]
+        return layer
+
+    # -- module paths ---------------------------------------------------------------------------
+
+    def _forward_in(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a checkpointed region recomputed inside backward: left alone
+            return
+        path = self._names.get(id(module))
+        if path is None:
+            path = (self._stack[-1][0] + "." if self._stack else "") + type(module).__name__
+        path = path or type(module).__name__
+        self._stack.append((path, [t.grad_fn for t in _tensors(args) if t.grad_fn is not None]))
+        self.where = path
+
+    def _forward_out(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or torch._C._current_graph_task_id() != -1:
+            return
+        path, boundary = self._stack.pop()
+        self.where = self._stack[-1][0] if self._stack else ""
+        if torch.is_grad_enabled():
+            self._stamp([t.grad_fn for t in _tensors(output) if t.grad_fn is not None], path, boundary)
+
+    def _stamp(self, roots: list[Any], path: str, boundary: list[Any]) -> None:
+        """Name the autograd nodes this module's forward made (back to its inputs' nodes) for backward."""
+        stop = {id(node) for node in boundary}
+        label = f"{path} (backward)"
+        enter = functools.partial(_enter_backward, weakref.ref(self), label)
+        todo = [node for node in roots if id(node) not in stop]
+        while todo:
+            node = todo.pop()
+            if node.name() == _ACCUMULATE:
+                continue
+            metadata = node.metadata
+            if _STAMP in metadata:
+                continue
+            metadata[_STAMP] = label
+            node.register_prehook(enter)
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in stop:
+                    todo.append(child)
+
+
+def _enter_backward(recorder: weakref.ref, label: str, grad_outputs: Any) -> None:
+    """A stamped node's pre-hook: the operators that follow run for its module's backward."""
+    found = recorder()
+    if found is not None:
+        found.where = label
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors at the top of a module's inputs or outputs (a tensor, a sequence, a mapping's values)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        yield from (v for v in value if isinstance(v, Tensor))
+    elif isinstance(value, dict):
+        yield from (v for v in value.values() if isinstance(v, Tensor))
+
+
+def _region(marks: Sequence[tuple[str, int, int, Any]], op_index: int) -> str:
+    """The part of the step an operator outside every module ran in."""
+    previous = None
+    for phase, _, at, _ in marks:
+        if op_index <= at:
+            break
+        previous = phase
+    return {
+        "batch_start": "forward",
+        "before_backward": "backward",
+        "after_backward": "between backward and the optimizer",
+        "before_optimizer_step": "optimizer step",
+    }.get(previous or "", "")
+
+
+def op_name(func: Any) -> str:
+    """``aten.mm`` for ``aten.mm.default``; what the tracker started with where no operator ran."""
+    if func is None:
+        return RESIDENT
+    name = str(func)
+    return name.removesuffix(".default")
+
+
+def _subsample(totals: np.ndarray, first: int, last: int, points: int, peak: int) -> list[int]:
+    """Event indices in ``[first, last)`` to draw: all if few, else each bucket's lowest and highest."""
+    span = np.arange(first, last)
+    if len(span) <= 2 * points:
+        return span.tolist()
+    keep: set[int] = {peak} if first <= peak < last else set()
+    for chunk in np.array_split(span, points):
+        values = totals[chunk]
+        keep.add(int(chunk[np.argmax(values)]))
+        keep.add(int(chunk[np.argmin(values)]))
+    keep.add(int(span[-1]))
+    return sorted(keep)
+
+
+# The timeline of each report, kept as long as the report lives.
+_TIMELINES: dict[int, tuple[weakref.ref, StepTimeline]] = {}
+
+
+def keep_timeline(report: Any, timeline: StepTimeline) -> None:
+    """Keep ``timeline`` as the timeline of ``report``, for as long as the report lives."""
+    key = id(report)
+    _TIMELINES[key] = (weakref.ref(report, lambda _: _TIMELINES.pop(key, None)), timeline)
+
+
+def timeline_of(report: Any) -> StepTimeline | None:
+    """The timeline recorded for ``report`` (a tracked step or a prediction), or ``None``."""
+    found = _TIMELINES.get(id(report))
+    if found is None or found[0]() is not report:
+        return None
+    return found[1]
+
+
+def tenant_keys(
+    weights: Iterable[Tensor], gradients: Iterable[Tensor], state: Iterable[Tensor], saved: Iterable[Any]
+) -> dict[str, list[int]]:
+    """The storage keys (as the tracker keys them) of each known tenant, for :meth:`TimelineRecorder.mark`."""
+    return {
+        "weights": [id(t.untyped_storage()) for t in weights if t.layout is torch.strided],
+        "gradients": [id(t.untyped_storage()) for t in gradients if t.layout is torch.strided],
+        "optimizer_state": [id(t.untyped_storage()) for t in state if t.layout is torch.strided],
+        "activations": [id(s) for s in saved],
+    }
