@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("monitor",),
     ("predict", "render"),
     ("lightning", "cli"),
+    ("pl",),  # the callback for pytorch_lightning.Trainer, built on lightning's
     ("", "__main__"),  # the package's __init__ re-exports the public API
 ]
 SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
