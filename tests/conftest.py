@@ -91,26 +91,35 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 
-class RecordingLogger(Logger):
-    """Keeps every logged metric in memory, to check what the callback sends to any logger."""
+def recording_logger_class(base: type) -> type:
+    """A logger on ``base`` (``lightning.pytorch``'s or ``pytorch_lightning``'s ``Logger``) that keeps every metric."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
+    class Recording(base):  # type: ignore[misc,valid-type]
+        """Keeps every logged metric in memory, to check what the callback sends to any logger."""
 
-    @property
-    def name(self) -> str:
-        return "recording"
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[int | None, dict[str, float]]] = []
 
-    @property
-    def version(self) -> int:
-        return 0
+        @property
+        def name(self) -> str:
+            return "recording"
 
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
+        @property
+        def version(self) -> int:
+            return 0
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.logged.append((step, dict(metrics)))
+
+    return Recording
+
+
+RecordingLogger = recording_logger_class(Logger)
+RecordingLogger.__name__ = RecordingLogger.__qualname__ = "RecordingLogger"  # picklable by name, as before
 
 
 def make_trainer(callbacks: list[L.Callback], steps: int = 2, **kwargs: Any) -> L.Trainer:

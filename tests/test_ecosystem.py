@@ -17,6 +17,7 @@ import lightning.pytorch as lp
 import pytest
 import pytorch_lightning as ptl
 import torch
+from conftest import recording_logger_class
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -62,27 +63,7 @@ def module_class(package: ModuleType) -> type:
 
 def recording_logger(package: ModuleType) -> Any:
     """A logger of ``package``'s that keeps every logged metric."""
-
-    class Recording(package.loggers.Logger):  # type: ignore[name-defined,misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-        @property
-        def name(self) -> str:
-            return "recording"
-
-        @property
-        def version(self) -> int:
-            return 0
-
-        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-            self.logged.append((step, dict(metrics)))
-
-    return Recording()
+    return recording_logger_class(package.loggers.Logger)()
 
 
 def fit(package_name: str, tmp_path: Path, callbacks: list[Any] = (), **options: Any) -> tuple[Any, Any, Any]:  # type: ignore[assignment]
