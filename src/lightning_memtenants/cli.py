@@ -216,7 +216,8 @@ def _predict(args: argparse.Namespace) -> int:
     batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
     target, device, gpu = _device(args.device, args.gpu)
     gpu_target = resolve_target(target)
-    json_path = _json_path(args.json)
+    json_path = _output_path(args.json, "--json")
+    snapshot_path = _output_path(args.snapshot, "--snapshot")
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout holds the JSON alone
     factory = load_target(args.target)
     if inspect.isclass(factory) and not issubclass(factory, nn.Module):
@@ -267,8 +268,8 @@ def _predict(args: argparse.Namespace) -> int:
     options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
     prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
     report = prediction.report
-    if args.snapshot is not None:
-        write_snapshot(prediction, args.snapshot)
+    if snapshot_path is not None:
+        write_snapshot(prediction, snapshot_path)
     print(_header(args, batch_size, shapes, gpu_target), file=out)
     print(format_table(report), file=out)  # the report's notes include the prediction's own
     largest = None
@@ -401,17 +402,18 @@ def _device(target: str, gpu: str | None) -> tuple[str, str, str | None]:
     return f"cuda:{gpu}", "cuda", gpu
 
 
-def _json_path(value: str | None) -> Path | None:
-    """Where ``--json`` writes, checked before any work is done; None for stdout ('-') or no JSON."""
-    if value is None or value == "-":
+def _output_path(value: str | None, option: str = "--json") -> Path | None:
+    """Where ``option`` writes, checked before any work is done; None for no file (or '-', stdout, for --json)."""
+    if value is None or (value == "-" and option == "--json"):
         return None
     if not value.strip():
-        raise UsageError("--json must be a file path or '-' for stdout, got ''")
+        accepts = "a file path or '-' for stdout" if option == "--json" else "a file path"
+        raise UsageError(f"{option} must be {accepts}, got ''")
     path = Path(value)
     if path.is_dir():
-        raise UsageError(f"--json must be a file path, and {value} is a directory")
+        raise UsageError(f"{option} must be a file path, and {value} is a directory")
     if not path.parent.is_dir():
-        raise UsageError(f"--json: the directory {path.parent} does not exist")
+        raise UsageError(f"{option}: the directory {path.parent} does not exist")
     return path
 
 

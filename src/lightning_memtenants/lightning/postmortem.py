@@ -64,10 +64,18 @@ class Postmortem:
         """
         if not self._recording:
             return None
-        directory = Path(self.directory or self.log_dir or os.getcwd())
-        path = directory / ("memtenants_snapshot" + (f"_rank{rank}" if world_size > 1 else "") + ".pickle")
+        path = self._snapshot_path("memtenants_snapshot", rank, world_size)
         written = self.guard.run("the allocator history", _dump, path)
         return path if written is not None else None
+
+    @property
+    def _directory(self) -> Path:
+        """Where the files go: ``directory``, else the logger's log dir, else the working directory."""
+        return Path(self.directory or self.log_dir or os.getcwd())
+
+    def _snapshot_path(self, stem: str, rank: int, world_size: int) -> Path:
+        """An allocator snapshot's file, one per rank where there are several."""
+        return self._directory / (stem + (f"_rank{rank}" if world_size > 1 else "") + ".pickle")
 
     def stop(self) -> None:
         """End the allocator's history, if this object began it."""
@@ -149,11 +157,9 @@ class Postmortem:
             rank=rank,
             last_step=last_step,
         )
-        directory = self.directory or self.log_dir or os.getcwd()
-        self.path, _ = write_postmortem(directory, record, world_size)
+        self.path, _ = write_postmortem(self._directory, record, world_size)
         if self._recording:
-            name = "memtenants_oom_snapshot" + (f"_rank{rank}" if world_size > 1 else "") + ".pickle"
-            dump_snapshot(str(Path(directory) / name))
+            dump_snapshot(str(self._snapshot_path("memtenants_oom_snapshot", rank, world_size)))
         warnings.warn(f"memtenants: out of memory; postmortem written to {self.path}", stacklevel=1)
         return record
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_memtenants.core.storage import tensors_in
 from lightning_memtenants.core.tracker import LiveTensorTracker
 from lightning_memtenants.predict.values import PredictionError
 
@@ -585,7 +586,7 @@ class CudaKernels(TorchFunctionMode):
                 kwargs = {**kwargs, "dtype": torch.float32}
             return args, kwargs
         elif name in PROMOTE:
-            found = [t.dtype for t in _tensors(args, kwargs) if _floating(t)]
+            found = [t.dtype for t in tensors_in((args, kwargs)) if _floating(t)]
             to = torch.float32 if torch.float32 in found else lower
         else:
             return args, kwargs
@@ -648,16 +649,6 @@ def _no_cpu_autocast(on: bool) -> Any:
     if not on:
         return contextlib.nullcontext()
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-    found: list[Tensor] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, Tensor))
-    return found
 
 
 def fused_attention_rewrite(tracker: LiveTensorTracker) -> Callable[[Any, Any, Any, Any], Any]:

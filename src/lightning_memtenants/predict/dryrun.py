@@ -187,18 +187,23 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
     Warns:
         DeprecationWarning: for ``gpu``, saying what to write instead.
     """
+    return _frozen(model, batch, options, timeline=True)
+
+
+def _frozen(model: ModelArg, batch: BatchArg, options: PredictOptions, *, timeline: bool) -> Prediction:
+    """A dry run with the collector frozen; ``timeline=False`` for a search that reads only the peak."""
     # no full collection walks the caller's objects in the middle of a dry run; a caller's own freeze is left alone
     frozen = gc.get_freeze_count() == 0
     if frozen:
         gc.freeze()
     try:
-        return _dry_run(model, batch, options)
+        return _dry_run(model, batch, options, timeline)
     finally:
         if frozen:
             gc.unfreeze()
 
 
-def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions) -> Prediction:
+def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline: bool) -> Prediction:
     """:func:`dry_run`'s body."""
     settings = _settings(model, batch, options)
     loss_fn, optimizer, precision, gpu_target = settings.loss_fn, settings.optimizer, settings.precision, settings.gpu
@@ -233,6 +238,7 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions) -> Predi
         # on a GPU the step counters are host tensors (the tracker's HOST_OPS): in no tenant, nor the formula
         host_state = host_state_names if gpu_target is not None else None
         monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise, host_state=host_state)
+        monitor.record_timeline = timeline
         threads: Any = contextlib.nullcontext()
         if gpu_target is not None:
             threads = CublasWorkspaces(source.tracker, gpu_target.workspace_bytes())
@@ -398,7 +404,8 @@ class _DryRunPeaks:
 
     def peak_bytes(self, batch_size: int) -> int:
         if batch_size not in self.seen:
-            prediction = dry_run(self.model, self.make_batch(batch_size), **self.options)
+            # the search reads only the peak: no timeline is recorded (it would change no figure)
+            prediction = _frozen(self.model, self.make_batch(batch_size), self.options, timeline=False)
             self.seen[batch_size] = prediction.report.peak_bytes or 0
         return self.seen[batch_size]
 
