@@ -339,3 +339,23 @@ def test_the_public_entry_points_have_google_style_docstrings() -> None:
             if inspect.isfunction(getattr(module, name)) and "Returns:" not in body:
                 missing.append(f"{module.__name__}.{name} (Returns)")
     assert missing == []
+
+
+def test_a_prediction_inside_the_users_saved_tensor_hooks_never_calls_them_and_leaves_them_in_place() -> None:
+    calls: list[str] = []
+
+    def hooks(name: str):
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            calls.append(name)
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    with hooks("outer"), hooks("inner"):
+        report = predict(nn.Linear(8, 8), torch.Size([4, 8]), loss_fn=lambda m, b: m(b).pow(2).sum())
+        assert calls == []
+        x = torch.ones(2, requires_grad=True)
+        (x * x).sum()  # the innermost hook is still the one on top, as the user left it
+    assert report.tenants_bytes["activations"] > 0
+    assert calls == ["inner", "inner"]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

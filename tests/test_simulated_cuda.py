@@ -304,3 +304,31 @@ def test_a_fit_with_record_history_links_the_allocators_snapshot_in_its_summary(
     printed = capsys.readouterr().out
     assert f"the allocator's history (record_history): {path}" in printed
     assert f"trace_plot {path} -o memory.html" in printed
+
+
+def test_the_largest_batch_on_a_gpu_is_searched_with_cudas_kernels_beside_the_users_saved_tensor_hooks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On a GPU the summary's largest batch comes from dry runs for its compute capability, which enter the CUDA
+    kernels' mode inside the user's fit: the user's own saved-tensor hooks run as often as without us, and no
+    mode is left behind."""
+    packed: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.numel())
+        return tensor
+
+    def fit(callbacks: list[L.Callback]) -> None:
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            make_trainer(callbacks, steps=2).fit(Tiny(), loader(2))
+
+    with simulated_cuda(total_bytes=1 << 30):
+        fit([])
+        alone = list(packed)
+        packed.clear()
+        ours = OnSimulatedCuda(budget_bytes="64MiB")
+        fit([ours])
+    assert packed == alone and len(alone) > 0
+    assert "the largest batch is" in capsys.readouterr().out
+    assert not torch._C._is_torch_function_mode_enabled()

@@ -177,6 +177,24 @@ def record_history(on: bool) -> None:
         torch.cuda.memory._record_memory_history(None)
 
 
+class hidden_saved_tensors_hooks:
+    """Hide the caller's default saved-tensor hooks for a block, and put every one back, in order, after it.
+
+    A dry run inside a user's fit must not call the user's pack hooks on its fake tensors: torch keeps the
+    hooks on a stack and offers no public way to step outside it, so the stack is emptied and refilled.
+    """
+
+    def __enter__(self) -> None:
+        self.hidden: list[tuple[Any, Any]] = []
+        while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+            self.hidden.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def __exit__(self, *exc: object) -> None:
+        for pack, unpack in reversed(self.hidden):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def dump_snapshot(path: str) -> None:
     """Write the allocator's history for pytorch.org/memory_viz (the documented recipe's call).
 

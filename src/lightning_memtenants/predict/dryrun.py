@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
-from lightning_memtenants._private import lightning_optimizers
+from lightning_memtenants._private import hidden_saved_tensors_hooks, lightning_optimizers
 from lightning_memtenants.analysis.forecast import UNBOUNDED, PeakForecast, limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.record import StepReport
@@ -197,7 +197,8 @@ def _frozen(model: ModelArg, batch: BatchArg, options: PredictOptions, *, timeli
     if frozen:
         gc.freeze()
     try:
-        return _dry_run(model, batch, options, timeline)
+        with hidden_saved_tensors_hooks():  # the caller's own hooks are not called on our fake tensors
+            return _dry_run(model, batch, options, timeline)
     finally:
         if frozen:
             gc.unfreeze()
