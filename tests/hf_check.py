@@ -1,8 +1,6 @@
 """Run in a fresh process: real one-step Trainer fits of ``hf_models``' specs on the CPU, reported as ``predict`` does.
 
-Prints one JSON line per spec named on the command line (every spec without one). ``host_bytes`` is
-what was alive before training began, the data set above all, and is no part of the step (see
-``predict_check.py``); the test subtracts it from the real run's allocated bytes.
+Prints one JSON line per spec named on the command line (every spec without one).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import make_trainer
 from hf_models import SPECS, Spec, build_module, loader
-from predict_check import HostBytes
 
 from lightning_memtenants import MemoryTenantsCallback
 
@@ -29,12 +26,11 @@ def run(spec: Spec) -> dict:
     L.seed_everything(0, verbose=False)
     module = build_module(spec)
     data = loader(spec)
-    host = HostBytes()
     memtenants = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
-    make_trainer([host, memtenants], steps=1, logger=False, precision=spec.precision).fit(module, data)
+    make_trainer([memtenants], steps=1, logger=False, precision=spec.precision).fit(module, data)
     report = memtenants.latest
     assert report is not None, spec.name
-    return {"spec": spec.name, "host_bytes": host.bytes, "report": dataclasses.asdict(report)}
+    return {"spec": spec.name, "report": dataclasses.asdict(report)}
 
 
 if __name__ == "__main__":
@@ -42,4 +38,4 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     specs = [Spec.parse(name) for name in sys.argv[1:]] or SPECS
     for spec in specs:
-        print(json.dumps(run(spec)), flush=True)  # HostBytes collects the run before's garbage
+        print(json.dumps(run(spec)), flush=True)

@@ -1,7 +1,8 @@
 """Run in a fresh process: our step peak and PyTorch MemTracker's, for the seed model in a Trainer.
 
-A fresh process matters on CPU: the live-tensor tracker counts every CPU tensor alive in the
-process, as ``memory_allocated`` counts every tensor on a CUDA device.
+MemTracker counts every tensor an operator touches, the dataset's included (the loader indexes it). Our
+default counts the training's tensors, so it is below MemTracker by the dataset; with ``TrackerSource(scan=True)``
+it counts every CPU tensor alive, as MemTracker does, and a fresh process keeps earlier tests' tensors out.
 """
 
 from __future__ import annotations
@@ -48,17 +49,19 @@ def together(batch_size: int) -> None:
     plain = SeedMLP()
     make_trainer([], steps=1).fit(plain, seed_loader(batch_size, steps=3))
     plain_losses = plain.losses
-    del plain  # our tracker counts every CPU tensor alive, as memory_allocated counts a GPU's
+    del plain  # MemTracker counts every tensor an operator touches
     gc.collect()
     ours, oracle = MemoryTenantsCallback(print_summary=False), Oracle()
     L.seed_everything(0, verbose=False)
     module = SeedMLP()
-    make_trainer([oracle, ours], steps=1).fit(module, seed_loader(batch_size, steps=3))
+    loader = seed_loader(batch_size, steps=3)
+    make_trainer([oracle, ours], steps=1).fit(module, loader)
     assert ours.latest is not None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     result = {
         "ours": ours.latest.peak_bytes,
         "memtracker": oracle.peak,
+        "dataset": sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors),  # type: ignore[attr-defined]
         "losses_equal": module.losses == plain_losses,
         "nothing_left": hooks is None and _get_current_dispatch_mode() is None,
         "resize_restored": "resize_" not in torch.UntypedStorage.__dict__
@@ -68,15 +71,24 @@ def together(batch_size: int) -> None:
 
 
 def main(batch_size: int) -> None:
-    ours = MemoryTenantsCallback(print_summary=False)
-    L.seed_everything(0, verbose=False)
-    make_trainer([ours], steps=1).fit(SeedMLP(), seed_loader(batch_size, steps=3))
-    gc.collect()
+    """Our default (the training's tensors), ours with a scan (every CPU tensor, as MemTracker counts), MemTracker."""
+    from lightning_memtenants import TrackerSource
+
+    peaks: dict[str, int | None] = {}
+    for name, source in (("ours", "auto"), ("ours_scanning", TrackerSource(scan=True))):
+        cb = MemoryTenantsCallback(print_summary=False, memory_source=source)
+        L.seed_everything(0, verbose=False)
+        make_trainer([cb], steps=1).fit(SeedMLP(), seed_loader(batch_size, steps=3))
+        assert cb.latest is not None
+        peaks[name], peaks["phase"] = cb.latest.peak_bytes, cb.latest.peak_phase  # type: ignore[assignment]
+        del cb
+        gc.collect()
     oracle = Oracle()
     L.seed_everything(0, verbose=False)
-    make_trainer([oracle], steps=1).fit(SeedMLP(), seed_loader(batch_size, steps=3))
-    assert ours.latest is not None
-    print(json.dumps({"ours": ours.latest.peak_bytes, "memtracker": oracle.peak, "phase": ours.latest.peak_phase}))
+    loader = seed_loader(batch_size, steps=3)
+    make_trainer([oracle], steps=1).fit(SeedMLP(), loader)
+    dataset = sum(t.untyped_storage().nbytes() for t in loader.dataset.tensors)  # type: ignore[attr-defined]
+    print(json.dumps({**peaks, "memtracker": oracle.peak, "dataset": dataset}))
 
 
 if __name__ == "__main__":

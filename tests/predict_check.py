@@ -1,14 +1,12 @@
 """Run in a fresh process: real Trainer steps on the CPU, reported as ``predict`` reports them.
 
-Prints one JSON line per run. ``host_bytes`` is what was alive before training began and is
-not part of the step: the data set the DataLoader holds and Lightning's module constants.
-A prediction holds none of it, so the test subtracts it from the real run's allocated bytes.
+Prints one JSON line per run. The tracker counts the training's tensors, as a prediction does: the data set
+the DataLoader holds is in neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import sys
 from pathlib import Path
@@ -25,17 +23,6 @@ from gpt import TinyGPT
 from seed_mlp import SeedMLP, seed_loader
 
 from lightning_memtenants import MemoryTenantsCallback
-from lightning_memtenants.core.storage import storage_key, unique_storage_bytes
-from lightning_memtenants.core.tracker import _live_tensors
-
-
-class HostBytes(L.Callback):
-    """Bytes of every CPU tensor alive at the start of training, less the model's own."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        gc.collect()  # an earlier run's leftovers must not be counted here and freed during the step
-        seen = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
-        self.bytes = unique_storage_bytes((t for t in _live_tensors() if t.device.type == "cpu"), seen)
 
 
 def run(kind: str, batch_size: int) -> dict:
@@ -48,13 +35,12 @@ def run(kind: str, batch_size: int) -> dict:
         module = TinyGPT(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=64)
         idx, targets = module.example_batch(batch_size, 32)
         loader = DataLoader(TensorDataset(idx, targets), batch_size=batch_size)
-    host = HostBytes()
     memtenants = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
-    make_trainer([host, memtenants], steps=1, logger=False, precision=precision or "32-true").fit(module, loader)
+    make_trainer([memtenants], steps=1, logger=False, precision=precision or "32-true").fit(module, loader)
     report = memtenants.latest
     assert report is not None
     kind = f"{kind}@{precision}" if precision else kind
-    return {"kind": kind, "batch_size": batch_size, "host_bytes": host.bytes, "report": dataclasses.asdict(report)}
+    return {"kind": kind, "batch_size": batch_size, "report": dataclasses.asdict(report)}
 
 
 if __name__ == "__main__":

@@ -79,17 +79,17 @@ def test_seed_model_tenants_exact(seed_run) -> None:
 
 def test_step_peak_and_the_desk_adds_up(seed_run) -> None:
     cb, _, _ = seed_run
-    dataset, batch = 16 * 1024 * 4, 8 * 1024 * 4
-    # The CPU tracker counts every live CPU tensor in this process, tensors that earlier tests
-    # left behind included; they stay put during the fit, so compare with the first boundary.
+    batch = 8 * 1024 * 4
+    # The CPU tracker counts the training's tensors: the module's, the optimizer's, the batch and what the
+    # step allocates; not the dataset (16 x 1024 floats), which a GPU run keeps on the host.
     baseline = cb.first.phases["batch_start"].other_bytes
-    assert baseline >= dataset + batch
+    assert baseline == batch
     largest, adam_state = 4096 * 4096 * 4, 201_400_344
     for report in (cb.first, cb.latest):
         assert report.memory_source == "live-tensor tracker (cpu)"
         # no named part on one CPU device: other is what the tracker saw minus the four tenants
         assert all(phase.parts_bytes == {} for phase in report.phases.values())
-        # other: the dataset and the batch; from the forward on, Lightning's closure loss and its detached copy
+        # other: the batch; from the forward on, Lightning's closure loss and its detached copy
         # (4 bytes each); at batch_end only the copy
         assert [phase.other_bytes - baseline for phase in report.phases.values()] == [0, 8, 8, 8, 4]
         # the peak: Adam's two temporaries the size of the largest weight and a bias-sized one, on top of the
@@ -127,7 +127,11 @@ def test_peak_matches_pytorch_memtracker() -> None:
     script = Path(__file__).resolve().parent / "memtracker_oracle.py"
     out = subprocess.run([sys.executable, str(script), "256"], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert abs(result["ours"] - result["memtracker"]) <= 0.001 * result["memtracker"]
+    # with a scan, every CPU tensor of the process, as MemTracker counts: the same peak, to a few bytes
+    assert abs(result["ours_scanning"] - result["memtracker"]) <= 8
+    # by default, the training's tensors: the dataset (768 x 1024 floats), which a GPU run keeps on the host, is not
+    assert result["dataset"] == 768 * 1024 * 4
+    assert 0 <= result["ours_scanning"] - result["ours"] - result["dataset"] <= 8  # and a scalar or two
     assert result["phase"] == "batch_end"
 
 

@@ -33,7 +33,7 @@ def test_plain_loop_seed_model_exact() -> None:
     }
     assert report.expected_fixed_bytes == report.measured_fixed_bytes == 402_800_664
     assert report.fixed_cost_notes == []
-    # The tracker counts every CPU tensor alive in the process; measure from the batch's start.
+    # The tracker counts the training's tensors (the batch among them); measure from the batch's start.
     base = report.phases["batch_start"].allocated_bytes
     gradients, adam_state, temporaries = 100_700_160, 201_400_344, 2 * 4096 * 4096 * 4
     assert report.peak_bytes - base == gradients + adam_state + temporaries + 4096 * 4 + 4  # + a bias temporary, loss

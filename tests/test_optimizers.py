@@ -108,7 +108,7 @@ def test_step_temporaries_follow_the_implementation(name: str, implementation: s
     kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
     optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs, **IMPLEMENTATIONS[implementation])
     assert optimizer_implementation(optimizer) == implementation
-    gc.collect()  # the tracker scans every live CPU tensor: a collection during the step would lower its reading
+    gc.collect()  # nothing of earlier tests' is collected during the measured step
     for _ in range(2):  # the second step: the state exists, what remains are the temporaries
         model(torch.randn(4, 64)).pow(2).mean().backward()
         roots = [*model.parameters(), *(p.grad for p in model.parameters())]

@@ -128,7 +128,7 @@ def test_fake_tensors_alive_in_the_process_are_not_memory_under_a_strict_budget(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def fit_under_a_strict_budget() -> MemoryTenantsCallback:
-        gc.collect()  # the tracker scans every live CPU tensor: free what earlier fits left in cycles first
+        gc.collect()  # free what earlier fits left in cycles first
         cb = MemoryTenantsCallback(budget_bytes="32MiB", strict=True, print_summary=False)
         with warnings.catch_warnings(record=True) as caught, no_collection():
             warnings.simplefilter("always")
@@ -310,7 +310,8 @@ def test_memtracker_and_our_tracker_in_one_fit_agree_and_leave_nothing() -> None
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert abs(result["ours"] - result["memtracker"]) <= 0.001 * result["memtracker"]
+    # MemTracker counts the dataset (3 MiB) the loader indexes; ours, the training's tensors (docs/sources.md)
+    assert 0 <= result["memtracker"] - result["ours"] - result["dataset"] <= 8
     assert result["losses_equal"] and result["nothing_left"] and result["resize_restored"]
 
 

@@ -19,15 +19,24 @@ def test_cpu_gets_the_tracker() -> None:
     source = source_for("cpu")
     assert isinstance(source, TrackerSource) and not source.every_step
     assert source.read() == Reading()  # not started: not measured, not 0
-    gc.collect()  # the scan counts every live CPU tensor: none may be freed by a collection during the test
+    earlier = torch.zeros(250)  # alive before the start, and none of the roots: not the training's
     source.start()
-    base = source.read().allocated_bytes  # what earlier code left alive; the read starts a new window
+    assert source.read() == Reading(0, 0, None)  # no scan: the callback names its roots, this test none
     a = torch.zeros(1000)
     b = torch.zeros(500)
     del b  # freed inside the window: it sets the window's peak
-    assert source.read() == Reading(base + 4000, base + 6000, None)
-    assert source.read() == Reading(base + 4000, base + 4000, None)
+    assert source.read() == Reading(4000, 6000, None)
+    assert source.read() == Reading(4000, 4000, None)
     source.stop()
+    gc.collect()  # with a scan every CPU tensor alive counts: none may be freed by a collection meanwhile
+    scanning = TrackerSource(scan=True)
+    scanning.start()
+    base = scanning.read().allocated_bytes
+    assert base is not None and base >= 4000 + 1000  # a and earlier, found by the scan, and what else is alive
+    del earlier
+    assert scanning.read().allocated_bytes == base - 1000
+    scanning.stop()
+    assert a.numel() == 1000
     del a
 
 

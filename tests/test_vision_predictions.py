@@ -84,7 +84,6 @@ def real_runs(arch: str) -> dict[str, dict]:
 
 def differences(predicted: Any, real: dict) -> list[str]:
     """Every field where the prediction differs from the real run, with the bytes by which it does."""
-    host = real["host_bytes"]
     report = real["report"]
     found: list[str] = []
 
@@ -104,10 +103,10 @@ def differences(predicted: Any, real: dict) -> list[str]:
     for name in PHASES:
         phase, mine = report["phases"][name], predicted.phases[name]
         compare_tenants(f"{name}.tenants_bytes", mine.tenants_bytes, phase["tenants_bytes"])
-        compare(f"{name}.allocated_bytes - host", mine.allocated_bytes, phase["allocated_bytes"] - host)
-        compare(f"{name}.window_peak_bytes - host", mine.window_peak_bytes, phase["window_peak_bytes"] - host)
+        compare(f"{name}.allocated_bytes", mine.allocated_bytes, phase["allocated_bytes"])
+        compare(f"{name}.window_peak_bytes", mine.window_peak_bytes, phase["window_peak_bytes"])
         compare_tenants(f"{name}.parts_bytes", mine.parts_bytes, phase["parts_bytes"])  # the autocast cache
-    compare("peak_bytes - host", predicted.peak_bytes, report["peak_bytes"] - host)
+    compare("peak_bytes", predicted.peak_bytes, report["peak_bytes"])
     compare("peak_phase", predicted.peak_phase, report["peak_phase"])
     compare("expected_fixed_bytes", predicted.expected_fixed_bytes, report["expected_fixed_bytes"])
     return found
@@ -138,7 +137,6 @@ def test_timm_vit_prediction_equals_a_real_cpu_run_to_the_byte(precision: str) -
 def run(arch: str, precision: str) -> dict:
     """A real one-step fit, reported as ``predict`` reports it (this file's subprocess side)."""
     from conftest import make_trainer
-    from predict_check import HostBytes
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_memtenants import MemoryTenantsCallback
@@ -147,16 +145,15 @@ def run(arch: str, precision: str) -> dict:
     module = VisionModule(arch)
     images, labels = module.example_batch(BATCH)
     loader = DataLoader(TensorDataset(images, labels), batch_size=BATCH)
-    host = HostBytes()
     memtenants = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
-    make_trainer([host, memtenants], steps=1, logger=False, precision=precision).fit(module, loader)
+    make_trainer([memtenants], steps=1, logger=False, precision=precision).fit(module, loader)
     report = memtenants.latest
     assert report is not None, f"{arch}@{precision}"
-    return {"arch": arch, "precision": precision, "host_bytes": host.bytes, "report": dataclasses.asdict(report)}
+    return {"arch": arch, "precision": precision, "report": dataclasses.asdict(report)}
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for spec in sys.argv[1:]:
         arch, _, precision = spec.partition("@")
-        print(json.dumps(run(arch, precision)), flush=True)  # HostBytes collects the run before's garbage
+        print(json.dumps(run(arch, precision)), flush=True)

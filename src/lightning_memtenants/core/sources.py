@@ -400,7 +400,7 @@ def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> Memor
     if device.type == "cuda":
         return CudaSource(device, reset_peaks=reset_peaks) if torch.cuda.is_available() else MemorySource()
     if device.type in ("cpu", "meta"):
-        return TrackerSource(device.type)
+        return TrackerSource(device.type, scan=False)
     if device.type == "mps":
         return MpsSource() if torch.backends.mps.is_available() else MemorySource()
     return AcceleratorSource(device, reset_peaks=reset_peaks)
