@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants._private import compiled_by_lightning, compiled_in_place
-from lightning_memtenants.analysis.explain import COMPILED_REASON, NO_OUTPUT, explain_peak, graph_notes
+from lightning_memtenants.analysis.explain import COMPILED_REASON, DIVERGED, NO_OUTPUT, explain_peak, graph_notes
 from lightning_memtenants.analysis.formulas import (
     expected_fixed_cost,
     explain_fixed_cost,
@@ -27,6 +27,7 @@ from lightning_memtenants.analysis.formulas import (
     step_temporaries_bytes,
 )
 from lightning_memtenants.checks import brief
+from lightning_memtenants.core.carry import BatchKey, CountedBatch, CountedBatches, batch_key, graph_delta
 from lightning_memtenants.core.census import ActivationTracker, TenantCounter
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
@@ -44,7 +45,10 @@ class TenantMonitor:
     input batch is not counted as activations: it is resident whether or not autograd saves it.
 
     Set ``measure = False`` before a step's ``batch_start`` to skip a costly source (the
-    live-tensor tracker) for that step; the tenants are counted on every step.
+    live-tensor tracker) for that step. Its tenants are then carried, micro-batch by micro-batch, from
+    the last counted one with the same :func:`~lightning_memtenants.core.carry.batch_key` (the same
+    batch shapes, optimizer state and gradients present), without walking the graph; a micro-batch with
+    no such match is counted. Set ``count_every_step = True`` to count every step regardless.
 
     Args:
         module: the model whose tenants are counted.
@@ -112,6 +116,16 @@ class TenantMonitor:
             raise ValueError(f"host_state must be None or a callable of an optimizer, got {brief(host_state)}")
         self.host_state = host_state
         self.measure = True
+        # count the tenants on every step, also where an earlier micro-batch with the same key could be carried
+        self.count_every_step = False
+        self._counted = CountedBatches()
+        # per micro-batch of the step under way: its key, and the counted one it carries (None: counted now)
+        self._keys: list[BatchKey | None] = []
+        self._carried: list[CountedBatch | None] = []
+        self._deltas: list[GraphCounts] = []  # what each closed micro-batch's walks found
+        # the last step made only of carried micro-batches, with nothing read: what they were, its notes, its report
+        self._light: tuple[list[CountedBatch | None], list[str], tuple[Any, ...], StepReport] | None = None
+        self._counts_at_start = GraphCounts()
         # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
         self.record_timeline = True
         self._recorder: TimelineRecorder | None = None
@@ -231,11 +245,18 @@ class TenantMonitor:
             self._tracker.clear()
             if not self._micro:
                 self._begin_step(batch)
-            self._micro.append({})
-            if batch is not None:
+            self._begin_micro_batch(batch)
+            if batch is not None:  # also on a carried step: a postmortem reads its graph (``observe_failure``)
                 guard.run("activations", self._tracker.ignore, batch_tensors(batch))
         elif not self._micro:
-            self._micro.append({})
+            self._begin_micro_batch(None)
+        carried = self._carried[-1]
+        if carried is not None:
+            if name in carried.phases:
+                return self._carry(name, carried.phases[name], output)
+            # a phase the counted micro-batch never had: count from here, and keep nothing of this one
+            self._carried[-1] = self._keys[-1] = None
+            self._step_note(DIVERGED)
         if name == "before_backward" and self.measures("activations"):
             if output is None:
                 self._step_note(NO_OUTPUT)
@@ -318,7 +339,7 @@ class TenantMonitor:
 
     def skip_step(self) -> None:
         """Drop a step that will never end (a batch Lightning skipped); its measurement stops here."""
-        self._micro = []
+        self._micro, self._keys, self._carried, self._deltas = [], [], [], []
         self._step_notes = []
         self._tracker.clear()
         self._tracker.reset_counts()
@@ -342,15 +363,26 @@ class TenantMonitor:
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step must be None or a step number (an int, 0 or more), got {brief(step)}")
+        self._close_micro_batch()
+        read = self._measuring
         micro, self._micro = self._micro, []
+        keys, carried, deltas = self._keys, self._carried, self._deltas
+        self._keys, self._carried, self._deltas = [], [], []
         self._tracker.clear()
         recorder = self._drop_recorder()
         self._pause_source()
         number = self.steps_done if step is None else step
         self.steps_done += 1
         counts = self._graph_counts()
-        notes = [*self._notes, *graph_notes(counts, self.device.type), *self._step_notes]
-        self._step_notes = []
+        step_notes, self._step_notes = self._step_notes, []
+        light = self.unmeasured_reason is None and bool(carried) and None not in carried
+        readings = _readings(micro) if light and read else ()
+        if light and self._light is not None:
+            last_carried, last_notes, last_readings, last = self._light
+            same = len(carried) == len(last_carried) and all(a is b for a, b in zip(carried, last_carried))  # noqa: B905
+            if same and step_notes == last_notes and counts == last.graph and readings == last_readings:
+                return last.renumbered(number)  # the same counted micro-batches, read the same: the same report
+        notes = [*self._notes, *graph_notes(counts, self.device.type), *step_notes]
         phases: dict[Phase, PhaseReport] = {}
         for batch_phases in micro:
             phases.update(batch_phases)
@@ -370,6 +402,7 @@ class TenantMonitor:
             explanation = "peak not measured: " + (self.unmeasured_reason or "no memory source measured this step")
         else:
             explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak)
+        carried_steps = [c.step for c in carried if c is not None]
         report = StepReport(
             step=number,
             phases=phases,
@@ -384,7 +417,10 @@ class TenantMonitor:
             memory_source=self.source.status if peak is not None else "not measured",
             notes=notes,
             graph=counts,
+            tenants_from_step=max(carried_steps) if carried_steps else None,
         )
+        self._keep_counted(number, micro, keys, carried, deltas)
+        self._light = (carried, step_notes, readings, report) if light else None
         if recorder is not None and peak is not None:
             timeline = self._guard.run("timeline", recorder.finish, number, report.memory_source)
             if timeline is not None:
@@ -394,7 +430,9 @@ class TenantMonitor:
     def close(self) -> None:
         """Remove every hook and mode this monitor registered; safe to call more than once."""
         self._tracker.clear()
-        self._micro = []
+        self._micro, self._keys, self._carried, self._deltas = [], [], [], []
+        self._counted.clear()
+        self._light = None
         self._step_notes = []
         self._tracker.reset_counts()
         self._state_bytes = None
@@ -421,6 +459,62 @@ class TenantMonitor:
             self._measuring = self.measures("memory source")
             if not self._measuring:
                 self._drop_recorder()
+
+    def _begin_micro_batch(self, batch: Any) -> None:
+        """Open a micro-batch: its key, and the counted micro-batch it carries where the step is not measured."""
+        self._close_micro_batch()
+        self._micro.append({})
+        key = self._guard.run(
+            "census", batch_key, len(self._micro) - 1, batch, self.module, self.optimizers, self._counter.tensors
+        )
+        carried = None
+        if key is not None and not (self.measure or self.count_every_step) and self.measures("census"):
+            carried = self._counted.get(key)
+        self._keys.append(key)
+        self._carried.append(carried)
+        if carried is not None:
+            self._tracker.add_counts(carried.counts)
+        else:
+            self._counts_at_start = self._tracker.counts()
+
+    def _close_micro_batch(self) -> None:
+        """Keep what the walks of the micro-batch ending now found, to carry with its tenants."""
+        if len(self._deltas) < len(self._micro):
+            counted = self._carried[-1] is None
+            self._deltas.append(graph_delta(self._counts_at_start, self._tracker.counts()) if counted else _NONE_FOUND)
+
+    def _carry(self, name: Phase, counted: PhaseReport, output: Any) -> PhaseReport:
+        """A phase of a carried micro-batch: the counted tenants and parts, with what the source reads now."""
+        if name == "before_backward" and output is None and self.measures("activations"):
+            self._step_note(NO_OUTPUT)
+        report = counted  # kept without readings: where the source does not measure this step, it is the phase
+        if self._measuring:
+            reading = self.read_source()
+            report = PhaseReport(
+                name,
+                counted.tenants_bytes,
+                reading.allocated_bytes,
+                reading.window_peak_bytes,
+                reading.reserved_bytes,
+                counted.parts_bytes,
+            )
+        self._micro[-1][name] = report
+        self._last = report
+        return report
+
+    def _keep_counted(
+        self,
+        step: int,
+        micro: list[dict[Phase, PhaseReport]],
+        keys: list[BatchKey | None],
+        carried: list[CountedBatch | None],
+        deltas: list[GraphCounts],
+    ) -> None:
+        """Keep the micro-batches counted in this step, by key, for later steps to carry."""
+        for phases, key, was_carried, counts in zip(micro, keys, carried, deltas, strict=True):
+            if key is None or was_carried is not None or not phases:
+                continue
+            self._counted.keep(key, CountedBatch(step, {n: p.unmeasured() for n, p in phases.items()}, counts))
 
     def _drop_recorder(self) -> TimelineRecorder | None:
         """Stop the step's timeline recorder (its hooks go); the recorder, to finish, or None."""
@@ -480,15 +574,8 @@ class TenantMonitor:
 
     def _graph_counts(self) -> GraphCounts:
         """What the graph walks of the step found; the tracker's counts start again from here."""
-        tracker = self._tracker
-        counts = GraphCounts(
-            checkpointed_regions=tracker.checkpointed,
-            hooked=tracker.hooked,
-            opaque=tracker.opaque,
-            offloaded_bytes=tracker.offloaded_bytes,
-            compiled=tracker.compiled,
-        )
-        tracker.reset_counts()
+        counts = self._tracker.counts()
+        self._tracker.reset_counts()
         return counts
 
     def _roots(self, batch: Any) -> Iterator[Tensor]:
@@ -523,6 +610,9 @@ class TenantMonitor:
         )
 
 
+_NONE_FOUND = GraphCounts()
+
+
 def holds_compiled_code(module: nn.Module) -> bool:
     """Whether ``module`` holds ``torch.compile``'d parts: an ``OptimizedModule``, ``Module.compile()``,
     or Lightning's record of a compiled LightningModule (``_compiler_ctx``).
@@ -547,6 +637,13 @@ def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
     """
     names = [f"{type(local_optimizer(o)).__name__} ({optimizer_implementation(o)})" for o in optimizers]
     return ", ".join(names) or "no optimizer"
+
+
+def _readings(micro: list[dict[Phase, PhaseReport]]) -> tuple[Any, ...]:
+    """What the memory source read at each phase of a step, to tell a step that read the same as the last."""
+    return tuple(
+        (name, p.allocated_bytes, p.window_peak_bytes, p.reserved_bytes) for mb in micro for name, p in mb.items()
+    )
 
 
 def _step_peak(micro: list[dict[Phase, PhaseReport]]) -> tuple[int | None, Phase | None]:

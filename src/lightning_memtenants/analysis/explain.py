@@ -15,6 +15,10 @@ COMPILED_REASON = (
     " stay exact, counted from the tensors; on CUDA the allocator's counters see compiled code)"
 )
 NO_OUTPUT = "activations not measured: phase('before_backward') was given no output whose graph to read"
+DIVERGED = (
+    "activations not read after a phase that the step carried from had not: this micro-batch's tenants were"
+    " carried from an earlier step with the same batch shapes until then, and its graph was not walked"
+)
 
 
 def _at_end(phase: PhaseReport) -> str:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, local_tensor
+from lightning_memtenants.core.record import GraphCounts
 from lightning_memtenants.core.storage import (
     PLAIN,
     HostState,
@@ -91,6 +92,28 @@ class ActivationTracker:
         self.hooked = 0
         self.opaque = 0
         self.offloaded_bytes = 0
+
+    def counts(self) -> GraphCounts:
+        """What the walks found since the last ``reset_counts``, as a record."""
+        return GraphCounts(
+            checkpointed_regions=self.checkpointed,
+            hooked=self.hooked,
+            opaque=self.opaque,
+            offloaded_bytes=self.offloaded_bytes,
+            compiled=self.compiled,
+        )
+
+    def add_counts(self, counts: GraphCounts) -> None:
+        """Add what one micro-batch's walks found (a micro-batch carried rather than walked).
+
+        Args:
+            counts: what its walks added (see ``carry.graph_delta``).
+        """
+        self.checkpointed = max(self.checkpointed, counts.checkpointed_regions)
+        self.compiled = self.compiled or counts.compiled
+        self.hooked += counts.hooked
+        self.opaque += counts.opaque
+        self.offloaded_bytes += counts.offloaded_bytes
 
     def observe(self, output: Any) -> None:
         """Record the saved tensors of every node in the graph of ``output`` (a tensor or a collection).

@@ -138,6 +138,9 @@ class StepReport:
         memory_source: what measured the allocated bytes and peaks (the source's status).
         notes: sentences on what the precision, the strategy and the graph add.
         graph: what the graph walks found beside the tenants.
+        tenants_from_step: where the tenants were not counted on this step but carried (a step the memory source
+            did not measure, whose micro-batches repeat ones counted before: the same batch shapes, optimizer state
+            and gradients present), the step they were counted on; None where they were counted on this step.
     """
 
     step: int
@@ -153,6 +156,21 @@ class StepReport:
     memory_source: str = "not measured"
     notes: list[str] = field(default_factory=list)
     graph: GraphCounts = field(default_factory=GraphCounts)
+    tenants_from_step: int | None = None
+
+    def renumbered(self, step: int) -> StepReport:
+        """The same report for another step: what a step that repeats this one, and reads nothing, reports.
+
+        Args:
+            step: the step number the copy carries.
+
+        Returns:
+            A copy sharing every other field (they are not changed after a report is made).
+        """
+        copy = object.__new__(StepReport)
+        copy.__dict__.update(self.__dict__)  # ``dataclasses.replace`` would re-run every field: this is per step
+        object.__setattr__(copy, "step", step)
+        return copy
 
     @property
     def parts_bytes(self) -> dict[Part, int]:
@@ -245,6 +263,7 @@ class StepReport:
                 memory_source=str(data.get("memory_source", "not measured")),
                 notes=[str(n) for n in data.get("notes", [])],
                 graph=GraphCounts(**(data.get("graph") or {})),
+                tenants_from_step=_int_or_none(data.get("tenants_from_step")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"data must be a dict written by StepReport.to_dict(): {error!r}") from None

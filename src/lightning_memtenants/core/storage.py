@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -154,6 +155,10 @@ def batch_tensors(batch: Any) -> list[Tensor]:
     Returns:
         The tensors, in the order :func:`tensors_in` finds them.
     """
+    if isinstance(batch, Tensor):
+        return [batch]
+    if type(batch) in (tuple, list) and all(map(isinstance, batch, repeat(Tensor))):  # the common case, in C
+        return list(batch)
     return list(tensors_in(batch))
 
 
