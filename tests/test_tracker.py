@@ -236,3 +236,31 @@ def test_a_rewrite_hook_changes_what_an_operator_returns_before_it_is_counted() 
     assert y.dtype == torch.float64 and z.dtype == torch.float32
     assert "mul" in seen and "add" in seen
     del y, z
+
+
+def test_the_short_path_counts_what_the_general_path_counts() -> None:
+    """A real CPU run's operators go through ``seen``; a dry run's through ``add``: both give the same figures."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 16)
+
+    def step(short: bool) -> tuple[int, int, int]:
+        tracker = LiveTensorTracker(scan=False)
+        tracker.start([*model.parameters(), x])
+        assert tracker.plain  # a CPU tracker with nothing to rewrite, record or limit
+        tracker.plain = short
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.pause()
+        return tracker.peak_bytes, tracker.current_bytes, len(tracker._live)
+
+    step(True)  # Adam's state exists from here on: both steps below are alike
+    short, general = step(True), step(False)
+    assert short == general
+    weights = (16 * 32 + 32 + 32 * 4 + 4) * F32
+    # the weights and the batch (the roots), and Adam's state (two moments and a 0-d step per parameter): not a
+    # root, but its in-place updates return it, and an operator's output is counted; zero_grad freed the gradients
+    assert short[1] == weights + 8 * 16 * F32 + 2 * weights + 4 * F32
+    assert short[0] > short[1]

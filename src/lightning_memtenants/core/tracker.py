@@ -59,6 +59,13 @@ def _live_tensors(count_fake: bool = False) -> list[Tensor]:
 # Per tensor class, whether it is a traceable wrapper subclass (a DTensor, say) whose storages are its inner tensors':
 # a property of the class, asked once per class rather than once per operator.
 _WRAPPERS: dict[type, bool] = {Tensor: False}
+_STRIDED = torch.strided
+
+
+def _is_plain_tensor(value: object) -> bool:
+    return type(value) is Tensor
+
+
 # What an operator returns that holds no tensor. Most operators a fake step dispatches are ``prim.device``: the
 # autograd engine asks every fake tensor's device through the dispatcher, and it returns a ``torch.device``.
 _HOLDS_NO_TENSOR = frozenset({torch.device, torch.dtype, torch.layout, int, float, bool, type(None)})
@@ -162,9 +169,26 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if type(out) in _HOLDS_NO_TENSOR:  # a query (the device a fake tensor reports, a size): nothing to count
+        kind = type(out)
+        if kind in _HOLDS_NO_TENSOR:  # a query (the device a fake tensor reports, a size): nothing to count
             return out
         tracker = self.tracker
+        if tracker.plain and tracker.error is None:
+            # a real CPU run's operator: no rewrite, recorder, limit or allocator model; what is new is counted
+            # here, in as few Python steps as possible, as this runs for every operator of a tracked step
+            try:
+                if kind is Tensor:
+                    if out.is_cpu and out.layout is _STRIDED:
+                        tracker.seen(out.untyped_storage())
+                    return out
+                if kind is tuple and all(map(_is_plain_tensor, out)):
+                    for tensor in out:
+                        if tensor.is_cpu and tensor.layout is _STRIDED:
+                            tracker.seen(tensor.untyped_storage())
+                    return out
+            except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
+                tracker.error = error
+                return out
         if tracker.recorder is not None and not tracker.unseen:
             tracker.recorder.begin_op(func)
         if tracker.rewrite is not None:
@@ -272,12 +296,68 @@ class LiveTensorTracker:
         self.unseen = False
         # ``rewrite(func, args, kwargs, out) -> out``, called on the outputs of every operator that can hold tensors
         # before they are counted and returned, while the tracker runs (a dry run's corrections of fake kernels)
-        self.rewrite: Callable[[Any, Any, Any, Any], Any] | None = None
+        self._rewrite: Callable[[Any, Any, Any, Any], Any] | None = None
         # a ``TimelineRecorder`` told of every allocation, free and operator, on the steps it records; else None
-        self.recorder: Any = None
+        self._recorder: Any = None
+        self._plain()
         # the devices whose storages are counted, and those that are not, as operators have shown them
         self._counted_devices: set[torch.device] = set()
         self._other_devices: set[torch.device] = set()
+
+    @property
+    def rewrite(self) -> Callable[[Any, Any, Any, Any], Any] | None:
+        """``None``, or ``rewrite(func, args, kwargs, out) -> out`` (see the class's attributes)."""
+        return self._rewrite
+
+    @rewrite.setter
+    def rewrite(self, rewrite: Callable[[Any, Any, Any, Any], Any] | None) -> None:
+        self._rewrite = rewrite
+        self._plain()
+
+    @property
+    def recorder(self) -> Any:
+        """The ``TimelineRecorder`` told of every allocation, free and operator, or None."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Any) -> None:
+        self._recorder = recorder
+        self._plain()
+
+    def _plain(self) -> None:
+        """Whether an operator's plain CPU tensors can be counted on the short path (``_Mode``): nothing else to do."""
+        self.plain = (
+            self.device_type == "cpu"
+            and not self.count_fake
+            and self._rewrite is None
+            and self._recorder is None
+            and self.limit_bytes is None
+            and self.allocator is None
+            and not self.host_ops
+            and not self.unseen
+        )
+
+    def seen(self, storage: torch.UntypedStorage) -> None:
+        """Count a storage an operator returned, if it is new or its size changed (the short path of ``_add_storage``).
+
+        Args:
+            storage: a CPU storage, on a tracker with no allocator model, host marks or recorder.
+        """
+        key = id(storage)
+        known = self._live.get(key)
+        nbytes = storage.nbytes()
+        if known is None:
+            self._live[key] = (weakref.ref(storage, self._freed_callback(key)), nbytes)
+        elif known[1] != nbytes:
+            self._live[key] = (known[0], nbytes)
+            nbytes -= known[1]
+        else:
+            return
+        current = self.current_bytes = self.current_bytes + nbytes
+        if current > self._window_peak:
+            self._window_peak = current
+            if current > self.peak_bytes:
+                self.peak_bytes = current
 
     @property
     def active(self) -> bool:
@@ -307,6 +387,7 @@ class LiveTensorTracker:
             if storage is not None:
                 self._add_storage(storage)  # sizes may have changed while paused (storage resizes)
         self.peak_bytes = self._window_peak = self.current_bytes
+        self._plain()
         if self._mode is None:
             self._mode = _Mode(self)
             self._mode.__enter__()
