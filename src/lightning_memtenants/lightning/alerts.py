@@ -93,13 +93,17 @@ class Alerts:
         self.budget = None if budget_bytes is None else Budget(budget_bytes, self.margin)
         self._warned = set()
 
-    def batch_start(self, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, batch: Any, batch_idx: int, measured: bool = True) -> None:
         """Size the batch; a batch larger than any seen gets its projected peak checked.
 
         Args:
             batch: what the dataloader gave.
             batch_idx: its index, named in the warning.
+            measured: whether the memory source measures this step; without a budget, the size of a batch
+                it does not measure is never read, and is not taken.
         """
+        if not measured and self.budget is None:
+            return
         sized = self.guard.run(FORECAST, batch_size, batch)
         self._batch = sized or (0, 0, 0)
         elements, _, samples = self._batch

@@ -37,13 +37,28 @@ SOURCES = ("auto", "tracker", "none")
 MANUAL_ACCUMULATION_BOUND = 64
 
 
+# the settings that tell two instances apart, in the order ``state_key`` names them
+_STATE_KEY_NAMES = (
+    "memory_source",
+    "track_activations",
+    "track_every_step",
+    "log_every_n_steps",
+    "budget_bytes",
+    "margin",
+    "strict",
+)
+
+
 class MemoryTenantsCallback(Callback):
     r"""Tell what is using training memory: weights, gradients, optimizer state and activations.
 
     At every phase of every training batch (``batch_start``, ``before_backward``,
-    ``after_backward``, ``before_optimizer_step``, ``batch_end``) the callback counts each
-    tenant's bytes from the tensors themselves and checks the fixed cost against the formula
-    for the optimizer and dtypes in use. A memory source adds allocated bytes and the peak of
+    ``after_backward``, ``before_optimizer_step``, ``batch_end``) the callback reports each
+    tenant's bytes, counted from the tensors themselves, and checks the fixed cost against the
+    formula for the optimizer and dtypes in use. The tenants are counted on measured steps and on
+    batches of a new kind (new shapes, new optimizer state); a step that repeats one counted
+    before carries its figures (``StepReport.tenants_from_step``) instead of walking the graph
+    again, so that measuring costs little. A memory source adds allocated bytes and the peak of
     each phase window, so the step's true peak can be set against the sum of its tenants.
     Scalars go to the trainer's loggers on the steps Lightning logs (and the first), under
     ``memtenants`` and the logger's separator.
@@ -62,7 +77,7 @@ class MemoryTenantsCallback(Callback):
             forces the tracker; ``"none"`` measures tenants only. A :class:`MemorySource` is
             used as given.
         track_every_step: run a costly source (the tracker) on every step, not only on
-            logged steps.
+            logged steps, and count the tenants on every step rather than carry them.
         log_every_n_steps: log every this many optimizer steps; ``None`` follows the
             trainer's ``log_every_n_steps``.
         print_summary: print the summary at the end of fit, on rank zero, to standard output: the tables of
@@ -185,15 +200,20 @@ class MemoryTenantsCallback(Callback):
         It is built as Lightning's own callbacks build theirs (``_generate_state_key``).
         """
         source = self.memory_source if isinstance(self.memory_source, str) else type(self.memory_source).__name__
-        return self._generate_state_key(
-            memory_source=source,
-            track_activations=self.track_activations,
-            track_every_step=self.track_every_step,
-            log_every_n_steps=self.log_every_n_steps,
-            budget_bytes=self.budget_bytes,
-            margin=self.margin,
-            strict=self.strict,
+        settings = (
+            source,
+            self.track_activations,
+            self.track_every_step,
+            self.log_every_n_steps,
+            self.budget_bytes,
+            self.margin,
+            self.strict,
         )
+        known = self.__dict__.get("_state_key")
+        if known is None or known[0] != settings:  # Lightning asks at every hook call: built once per setting
+            key = self._generate_state_key(**dict(zip(_STATE_KEY_NAMES, settings, strict=True)))
+            known = self.__dict__["_state_key"] = (settings, key)
+        return known[1]
 
     @property
     def forecast(self) -> PeakForecast:
@@ -349,6 +369,8 @@ class MemoryTenantsCallback(Callback):
             rank_zero_info(f"memtenants: max_batch_size answers from the forecast's lines: {why}")
         self._postmortem.start(pl_module.device)
         self._logs.open(trainer)
+        # the timeline is drawn only in TensorBoard's panels: without them, no step pays for recording it
+        self._monitor.record_timeline = self._logs.panels is not None
 
     @override
     def on_train_batch_start(
@@ -368,8 +390,8 @@ class MemoryTenantsCallback(Callback):
             self._cadence_step = logged
             self._logging_step = logged and bool(trainer.loggers)
             monitor.measure = self.track_every_step or logged
-        self._alerts.batch_start(batch, batch_idx)
         self._phase("batch_start", batch)
+        self._alerts.batch_start(batch, batch_idx, measured=monitor.measuring)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -520,7 +542,7 @@ class MemoryTenantsCallback(Callback):
     def _make_source(self, pl_module: pl.LightningModule) -> MemorySource | None:
         source = self.memory_source
         if source == "tracker":
-            return TrackerSource(pl_module.device.type)
+            return TrackerSource(pl_module.device.type, scan=False)
         if source == "none":
             return None
         if source == "auto":
