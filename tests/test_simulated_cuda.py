@@ -241,6 +241,63 @@ def test_a_reader_after_the_callback_sees_only_what_is_allocated_at_batch_end(si
     assert all(end < r.peak_bytes for end, r in zip(ends, reports.reports, strict=True))
 
 
+COUNTERS = ("is_available", "memory_allocated", "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats")
+
+
+class CountedCalls(L.Callback):
+    """The ``torch.cuda`` calls made from its ``on_train_batch_start`` (put it before ours) to ``end``'s
+    ``on_train_batch_end`` (put that one after ours): what our hooks called in each step."""
+
+    def __init__(self, calls: dict[str, int]) -> None:
+        self.calls, self.per_step, self.at = calls, [], 0
+        self.end = _CallsAtEnd(self)
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.at = sum(self.calls.values())
+
+
+class _CallsAtEnd(L.Callback):
+    def __init__(self, start: CountedCalls) -> None:
+        self.start = start
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.start.per_step.append(sum(self.start.calls.values()) - self.start.at)
+
+
+def test_a_step_that_carries_its_tenants_costs_a_few_counter_reads_on_cuda(
+    sim: SimulatedCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = dict.fromkeys(COUNTERS, 0)
+
+    def counted(name: str) -> Any:
+        real = getattr(torch.cuda, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in COUNTERS:
+        monkeypatch.setattr(torch.cuda, name, counted(name))
+    one_read = CudaSource(CUDA0)
+    before = sum(calls.values())
+    one_read.read()
+    per_read = sum(calls.values()) - before
+    ours = MemoryTenantsCallback(print_summary=False, memory_source=source_for(CUDA0))
+    counter, reports = CountedCalls(calls), Reports(ours)
+    make_trainer([counter, ours, counter.end, reports], steps=6, log_every_n_steps=3).fit(Tiny(), loader(6))
+    # steps 0 and 2 are logged (counted), 1 is new (Adam's state exists), 3 and 4 carry step 2's, 5 is logged
+    assert [r.tenants_from_step for r in reports.reports] == [None, None, None, 2, 2, None]
+    # a carried step reads the counters where its window opens and at its five phases, and calls nothing else on
+    # the device; the first of them also asks is_available once for the report's memory_source, which the next reuses
+    assert per_read == 5  # is_available, allocated, peak, reserved, and the peak's reset
+    assert counter.per_step[4] == 6 * per_read
+    assert counter.per_step[3] == 6 * per_read + 1
+    assert all(r.peak_bytes is not None for r in reports.reports)  # every step's peak is its own reading
+    assert reports.reports[3].tenants_bytes == reports.reports[2].tenants_bytes
+
+
 class OnSimulatedCuda(MemoryTenantsCallback):
     """The callback as it starts on a CUDA device: ``pl_module.device`` reads ``cuda:0`` while ``on_train_start``
     picks the source, the budget and the allocator's history; Lightning's own logging keeps the real CPU device.
