@@ -23,8 +23,25 @@ SEED_SAVED_PER_SAMPLE = (4096 + 4096 + 1024) * 4  # relu1, relu2 outputs and the
 CLOSURE_DIVISOR = 8
 
 
+_CUDA_FUNCTIONS = ("is_available", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats")
+
+
+@pytest.fixture
+def _torch_cuda_restored() -> Any:
+    """``torch.cuda``'s functions, which the simulated device and the tests' fake counters patch, are torch's own
+    again after each test. Set up before ``monkeypatch`` (the fixture below asks for this one first), it checks
+    after every patch of the test's has been undone."""
+    cuda = {name: getattr(torch.cuda, name) for name in _CUDA_FUNCTIONS}
+    yield
+    left = [name for name, function in cuda.items() if getattr(torch.cuda, name) is not function]
+    for name in left:
+        setattr(torch.cuda, name, cuda[name])
+    if left:
+        pytest.fail(f"the test left torch.cuda.{', torch.cuda.'.join(left)} patched (undone for the tests after it)")
+
+
 @pytest.fixture(autouse=True)
-def _each_test_leaves_the_process_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> Any:
+def _each_test_leaves_the_process_as_it_found_it(_torch_cuda_restored: None, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Keep tests independent of their order: what one test leaves behind is undone, and the test fails for it.
 
     ``L.seed_everything`` sets ``PL_GLOBAL_SEED``, which Lightning's DDP setup reads to reseed later fits: it

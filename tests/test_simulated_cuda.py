@@ -264,9 +264,14 @@ class _CallsAtEnd(L.Callback):
         self.start.per_step.append(sum(self.start.calls.values()) - self.start.at)
 
 
-def test_a_step_that_carries_its_tenants_costs_a_few_counter_reads_on_cuda(
-    sim: SimulatedCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_step_that_carries_its_tenants_costs_a_few_counter_reads_on_cuda(sim: SimulatedCuda) -> None:
+    # a patch of our own, undone here, before the simulation's: the ``monkeypatch`` fixture would be undone after it,
+    # and put the simulated functions back into torch.cuda for the tests that follow
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        counts_calls(monkeypatch)
+
+
+def counts_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = dict.fromkeys(COUNTERS, 0)
 
     def counted(name: str) -> Any:
