@@ -123,7 +123,7 @@ class TenantMonitor:
         self._keys: list[BatchKey | None] = []
         self._carried: list[CountedBatch | None] = []
         self._deltas: list[GraphCounts] = []  # what each closed micro-batch's walks found
-        # the last step made only of carried micro-batches, with nothing read: what they were, its notes, its report
+        # the last step made only of carried micro-batches: what they were, its notes, what it read, its report
         self._light: tuple[list[CountedBatch | None], list[str], tuple[Any, ...], StepReport] | None = None
         self._counts_at_start = GraphCounts()
         # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
