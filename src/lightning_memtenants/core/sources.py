@@ -390,7 +390,8 @@ def source_for(device: torch.device | str, *, reset_peaks: bool = True) -> Memor
             phase boundary (see :class:`CudaSource`).
 
     Returns:
-        The source: a :class:`TrackerSource` on CPU and meta, :class:`MpsSource` on MPS, allocator counters
+        The source: a :class:`TrackerSource` on CPU and meta (without a scan: it counts the roots it is started
+        with and what operators make), :class:`MpsSource` on MPS, allocator counters
         elsewhere; a :class:`MemorySource` that measures nothing where CUDA is absent.
 
     Raises:

@@ -2,9 +2,10 @@
 
 Every storage an operator creates is registered through a ``TorchDispatchMode``; a weak
 reference with a callback takes it off again when it is freed. Storages that already
-existed are found once by a ``gc`` scan, plus any roots the caller names (gradients held
-only by C++, say). It costs a Python call per operator, so the callback runs it on logging
-steps unless asked otherwise.
+existed are the roots the caller names (the callback names the training's: parameters,
+buffers, gradients, optimizer state, the batch) and, with ``scan=True``, every tensor a
+one-time ``gc`` scan finds. It costs a Python call per operator, so the callback runs it on
+logging steps unless asked otherwise.
 
 The tracker shares the process with the user's own modes and patches, so it composes:
 its mode asks ``torch.compile`` to leave it out of compilation (``ignore_compile_internals``)
