@@ -245,9 +245,10 @@ class TenantMonitor:
             self._tracker.clear()
             if not self._micro:
                 self._begin_step(batch)
-            self._begin_micro_batch(batch)
-            if batch is not None:  # also on a carried step: a postmortem reads its graph (``observe_failure``)
-                guard.run("activations", self._tracker.ignore, batch_tensors(batch))
+            tensors = batch_tensors(batch) if batch is not None else None  # read once: the key and the ignore
+            self._begin_micro_batch(tensors)
+            if tensors is not None:  # also on a carried step: a postmortem reads its graph (``observe_failure``)
+                guard.run("activations", self._tracker.ignore, tensors)
         elif not self._micro:
             self._begin_micro_batch(None)
         carried = self._carried[-1]
@@ -460,7 +461,7 @@ class TenantMonitor:
             if not self._measuring:
                 self._drop_recorder()
 
-    def _begin_micro_batch(self, batch: Any) -> None:
+    def _begin_micro_batch(self, batch: list[Tensor] | None) -> None:
         """Open a micro-batch: its key, and the counted micro-batch it carries where the step is not measured."""
         self._close_micro_batch()
         self._micro.append({})

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants.core.record import GraphCounts, PhaseReport
-from lightning_memtenants.core.storage import batch_tensors, local_optimizer
+from lightning_memtenants.core.storage import local_optimizer
 from lightning_memtenants.names import Phase
 
 _GRAD = attrgetter("grad")
@@ -30,13 +30,18 @@ BatchKey = tuple[Any, ...]
 
 
 def batch_key(
-    index: int, batch: Any, module: nn.Module, optimizers: Sequence[Optimizer], tensors: Sequence[Tensor]
+    index: int,
+    batch: Sequence[Tensor] | None,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    tensors: Sequence[Tensor],
 ) -> BatchKey:
     """What must repeat for a micro-batch to save what an earlier one saved.
 
     Args:
         index: the micro-batch's place in its optimizer step (gradients accumulate over them).
-        batch: its input batch; each tensor's shape, dtype and device count.
+        batch: the tensors of its input batch (``storage.batch_tensors``), or None; each one's shape, dtype and
+            device count.
         module: the model: whether it is in training mode.
         optimizers: the optimizers: how many parameters each holds state for.
         tensors: the parameters and buffers: how many have a gradient.
@@ -44,7 +49,7 @@ def batch_key(
     Returns:
         A hashable key.
     """
-    shapes = tuple((t.shape, t.dtype, t.device) for t in batch_tensors(batch)) if batch is not None else None
+    shapes = tuple((t.shape, t.dtype, t.device) for t in batch) if batch is not None else None
     state = tuple(len(local_optimizer(o).state) for o in optimizers)
     gradients = sum(map(is_not, map(_GRAD, tensors), repeat(None)))  # in C: no Python step per tensor
     return (index, shapes, module.training, torch.is_grad_enabled(), state, gradients)

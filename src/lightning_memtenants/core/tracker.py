@@ -354,11 +354,7 @@ class LiveTensorTracker:
             nbytes -= known[1]
         else:
             return
-        current = self.current_bytes = self.current_bytes + nbytes
-        if current > self._window_peak:
-            self._window_peak = current
-            if current > self.peak_bytes:
-                self.peak_bytes = current
+        self._grow(nbytes)
 
     @property
     def active(self) -> bool:
