@@ -33,8 +33,8 @@ from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource, source_for
 from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
-from lightning_memtenants.core.timeline import TimelineRecorder, keep_timeline, tenant_keys
-from lightning_memtenants.names import PARTS, PHASES, TENANTS, Measurement, Part, Phase, Tenant
+from lightning_memtenants.core.timeline import StepTimeline, TimelineRecorder, keep_timeline, tenant_keys
+from lightning_memtenants.names import PARTS, PHASES, TENANTS, WINDOWS, Measurement, Part, Phase, Tenant
 
 
 class TenantMonitor:
@@ -129,6 +129,9 @@ class TenantMonitor:
         # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
         self.record_timeline = True
         self._recorder: TimelineRecorder | None = None
+        # whether a training model's modules may get the timeline's hooks: once a measured step's graph was read
+        # and held no torch.compile'd code (a compiled function that calls the modules is seen only there)
+        self._hooks_allowed = False
         self.steps_done = 0
         self._warn = warn
         self._guard = Guard(warn, "measuring", self._released)
@@ -376,6 +379,9 @@ class TenantMonitor:
         self.steps_done += 1
         counts = self._graph_counts()
         step_notes, self._step_notes = self._step_notes, []
+        if read and not self._hooks_allowed:  # a measured step whose every micro-batch's graph was read
+            walked = micro and all(c is None for c in carried) and all("before_backward" in mb for mb in micro)
+            self._hooks_allowed = bool(walked) and NO_OUTPUT not in step_notes and self._no_compiled_code(counts)
         light = self.unmeasured_reason is None and bool(carried) and None not in carried
         readings = _readings(micro) if light and read else ()
         if light and self._light is not None:
@@ -399,10 +405,20 @@ class TenantMonitor:
         if checked is not None:
             expected, fixed_notes = checked
         peak, peak_phase = _step_peak(micro)
+        memory_source = self.source.status if peak is not None else "not measured"
+        timeline = None
+        if recorder is not None and peak is not None:  # finished first: the explanation and the split read it
+            timeline = self._guard.run("timeline", recorder.finish, number, memory_source)
+        by_module: dict[str, int] = {}
+        by_module_at = ""
+        if timeline is not None:  # only on steps that record a timeline: no work on the others
+            split = self._guard.run("timeline", timeline.activations_by_module)
+            if split is not None:
+                by_module_at, by_module = split
         if peak is None:
             explanation = "peak not measured: " + (self.unmeasured_reason or "no memory source measured this step")
         else:
-            explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak)
+            explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak, timeline)
         carried_steps = [c.step for c in carried if c is not None]
         report = StepReport(
             step=number,
@@ -415,17 +431,17 @@ class TenantMonitor:
             peak_bytes=peak,
             peak_phase=peak_phase,
             peak_explanation=explanation or "peak not explained",
-            memory_source=self.source.status if peak is not None else "not measured",
+            memory_source=memory_source,
             notes=notes,
             graph=counts,
             tenants_from_step=max(carried_steps) if carried_steps else None,
+            activations_by_module_bytes=by_module,
+            activations_by_module_at=by_module_at if by_module else "",
         )
         self._keep_counted(number, micro, keys, carried, deltas)
         self._light = (carried, step_notes, readings, report) if light else None
-        if recorder is not None and peak is not None:
-            timeline = self._guard.run("timeline", recorder.finish, number, report.memory_source)
-            if timeline is not None:
-                keep_timeline(report, timeline)
+        if timeline is not None:
+            keep_timeline(report, timeline)
         return report
 
     def close(self) -> None:
@@ -451,9 +467,12 @@ class TenantMonitor:
         )
         if self._measuring:
             if self.record_timeline and isinstance(self.source, TrackerSource) and self.measures("timeline"):
-                # module paths only in a dry run: hooks on a training model's modules would change what
-                # torch.compile compiles (its guards read the hooks), and measuring never changes the program
-                named = self.module if self.source.tracker.count_fake else None
+                # module paths from hooks on the modules: in a dry run, and on a training model that holds no
+                # torch.compile'd part, from its second measured step on, once a step's graph showed no compiled
+                # code (a compiled function calling the modules): the hooks would change what torch.compile
+                # compiles (its guards read them), and measuring never changes the program
+                hookable = self._hooks_allowed and not holds_compiled_code(self.module)
+                named = self.module if self.source.tracker.count_fake or hookable else None
                 self._recorder = TimelineRecorder(named)
                 self._recorder.attach(self.source.tracker)
             self._guard.run("memory source", self.source.start, self._roots(batch))
@@ -528,12 +547,16 @@ class TenantMonitor:
         """A phase boundary on the timeline, with the storages of the tenants known now."""
         assert self._recorder is not None
         tensors = self._counter.tensors
-        saved = self._tracker.storages() if self.measures("activations") else []
+        activations = self.measures("activations")
+        saved = self._tracker.storages() if activations else []
+        # autocast's saved casts of weights: the ``autocast_cache`` part, not the activations split by module
+        casts = [ref() for ref, _ in self._tracker._casts.values()] if activations else []
         keys = tenant_keys(
             tensors,
             (t.grad for t in tensors if t.grad is not None),
             optimizer_state_tensors(self.optimizers, self.host_state),
             saved,
+            [storage for storage in casts if storage is not None],
         )
         self._recorder.mark(name, keys)
 
@@ -598,9 +621,24 @@ class TenantMonitor:
         self._fixed = (key, result)
         return result[0], list(result[1])
 
-    def _explain_peak(self, phases: dict[Phase, PhaseReport], peak_phase: Phase | None, peak: int | None) -> str:
+    def _no_compiled_code(self, counts: GraphCounts) -> bool:
+        """Whether the step's graphs, read in full, held no torch.compile'd code (and nothing disabled the read)."""
+        return not counts.compiled and self.unmeasured_reason is None and self.measures("activations")
+
+    def _explain_peak(
+        self,
+        phases: dict[Phase, PhaseReport],
+        peak_phase: Phase | None,
+        peak: int | None,
+        timeline: StepTimeline | None = None,
+    ) -> str:
+        """The analysis's sentence on the peak; a peak in the forward pass names the operator and its module.
+
+        The module comes from the step's timeline (where one was recorded): the innermost module whose forward
+        allocated the peak's bytes, or ``outside any module`` (a loss computed outside the model).
+        """
         sizes = [t.numel() * t.element_size() for t in self._counter.tensors if t.requires_grad]
-        return explain_peak(
+        text = explain_peak(
             phases,
             peak_phase,
             peak,
@@ -609,6 +647,16 @@ class TenantMonitor:
             expected_temporaries_bytes=sum(step_temporaries_bytes(o) for o in self.optimizers),
             gathered_bytes=fsdp_gathered_bytes(self.module),
         )
+        forward = f"peak inside {WINDOWS['before_backward']}"
+        if (
+            timeline is not None
+            and timeline.module_paths
+            and peak_phase == "before_backward"
+            and text.startswith(forward)
+        ):
+            where = f"in {timeline.peak_module}" if timeline.peak_in_module else "outside any module"
+            text = f"{forward}, at {timeline.peak_op} {where}{text[len(forward) :]}"
+        return text
 
 
 _NONE_FOUND = GraphCounts()

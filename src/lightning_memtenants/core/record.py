@@ -141,6 +141,17 @@ class StepReport:
         tenants_from_step: where the tenants were not counted on this step but carried (a step the memory source
             did not measure, whose micro-batches repeat ones counted before: the same batch shapes, optimizer state
             and gradients present), the step they were counted on; None where they were counted on this step.
+        activations_by_module_bytes: the activations tenant split by the module that owns each storage (the
+            innermost module whose forward allocated it; ``"(outside any module)"`` where none ran), at the moment
+            ``activations_by_module_at`` names: the ten largest, largest first, and the rest summed under
+            ``"(other modules)"``, so the values add up to the activations alive then. Filled on the steps that
+            record a memory timeline with module paths (every dry run; the training steps the live-tensor tracker
+            measures where the timeline is recorded, from the second on, on a model with no compiled part); empty
+            elsewhere, and where no activation was alive then.
+        activations_by_module_at: when the split was taken: ``"peak"``, the step's peak, where any activation is
+            alive at it (a peak in the forward pass or in backward); ``"before_backward"``, the last
+            ``before_backward`` boundary, where none is (a peak in the optimizer step); ``""`` where no split was
+            taken.
     """
 
     step: int
@@ -157,6 +168,8 @@ class StepReport:
     notes: list[str] = field(default_factory=list)
     graph: GraphCounts = field(default_factory=GraphCounts)
     tenants_from_step: int | None = None
+    activations_by_module_bytes: dict[str, int] = field(default_factory=dict)
+    activations_by_module_at: str = ""
 
     def renumbered(self, step: int) -> StepReport:
         """The same report for another step: what a step that repeats this one, and reads nothing, reports.
@@ -264,6 +277,10 @@ class StepReport:
                 notes=[str(n) for n in data.get("notes", [])],
                 graph=GraphCounts(**(data.get("graph") or {})),
                 tenants_from_step=_int_or_none(data.get("tenants_from_step")),
+                activations_by_module_bytes={
+                    str(k): int(v) for k, v in (data.get("activations_by_module_bytes") or {}).items()
+                },
+                activations_by_module_at=str(data.get("activations_by_module_at") or ""),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"data must be a dict written by StepReport.to_dict(): {error!r}") from None

@@ -12,6 +12,10 @@ whose forward runs), removed when the step ends, and,
 for backward, from a pre-hook on each autograd node a module's forward made, stamped when that
 forward returns. ``AccumulateGrad`` nodes are never hooked (a hook there could keep the gradient
 from being stolen, and so change the memory measured).
+
+The same per-allocation module paths split the activations tenant by module
+(:meth:`StepTimeline.activations_by_module`): each storage autograd saved is owned by the innermost
+module whose forward was running when the storage was allocated.
 """
 
 from __future__ import annotations
@@ -37,8 +41,20 @@ LAYER_LABELS: dict[str, str] = {
 }
 # Before the first phase: what was resident when the tracker started.
 RESIDENT = "resident at batch_start"
+# The key of :meth:`TimelineRecorder.mark`'s tenants that holds autocast's saved casts of weights: in the
+# activations layer of the stack, but a named part (``autocast_cache``) of the census, not the activations tenant.
+CASTS = "autocast_cache"
 _STAMP = "memtenants_module"
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
+# The owner of an activation allocated while no module's forward ran (a loss computed outside the model).
+OUTSIDE_MODULES = "(outside any module)"
+# The entry for every module past the largest ones, so that a report's split still adds up to the tenant.
+OTHER_MODULES = "(other modules)"
+# How many modules a report names, largest first.
+TOP_MODULES = 10
+# The moments the activations are split at (``StepReport.activations_by_module_at``).
+AT_PEAK = "peak"
+AT_BEFORE_BACKWARD = "before_backward"
 
 
 @dataclass
@@ -65,6 +81,14 @@ class StepTimeline:
             ``"alloc"`` or ``"free"``; empty if the step had more than the recorder's bound.
         allocations: per allocation: ``(bytes, operator, module path, op_index)``.
         resident: the allocations alive when the step's first phase began.
+        peak_in_module: whether a module's forward or backward was running at the peak (``peak_module`` is a
+            module path), rather than none (``peak_module`` is the region, or ``""``).
+        activations_at_peak_bytes: the activations tenant alive at the peak event, by owning module (see
+            :meth:`activations_by_module`), every module, largest first.
+        activations_before_backward_bytes: the activations tenant at the last ``before_backward`` boundary, by
+            owning module, every module, largest first; empty where the step had no ``before_backward``.
+        module_paths: whether the recorder followed the model's modules (hooks on them); where it did not, no
+            operator has a module path, and both splits by module are empty.
     """
 
     step: int
@@ -84,11 +108,64 @@ class StepTimeline:
     trace: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
     allocations: list[tuple[int, str, str, int]] = field(default_factory=list, repr=False)
     resident: list[int] = field(default_factory=list, repr=False)
+    peak_in_module: bool = False
+    activations_at_peak_bytes: dict[str, int] = field(default_factory=dict)
+    activations_before_backward_bytes: dict[str, int] = field(default_factory=dict)
+    module_paths: bool = False
 
     @property
     def peak_label(self) -> str:
         """The operator at the peak and where it ran: ``aten.mm in blocks.0.fc (backward)``."""
         return f"{self.peak_op} in {self.peak_module}" if self.peak_module else self.peak_op
+
+    def activations_by_module(self, top: int = TOP_MODULES) -> tuple[str, dict[str, int]]:
+        """The activations tenant split by the module that owns each storage, at the moment they weigh on the peak.
+
+        A storage is an activation as the census counts one: autograd saved it for backward (read from the loss's
+        graph at ``before_backward``), and it is no weight, gradient, optimizer state or autocast cast at that
+        boundary. Its owner is the innermost module whose forward was running when the storage was allocated
+        (``OUTSIDE_MODULES`` where none was): the last ``Linear``'s output, which the loss's ``pow`` saves, is the
+        ``Linear``'s; a ``Tanh``'s output, saved by it and by the ``Linear`` after it, is the ``Tanh``'s. The moment
+        is the step's peak where any activation is alive at it (a peak in the forward pass, or in backward before
+        the last saved tensor is freed), so that the split shows what holds memory at the peak; elsewhere (a peak in
+        the optimizer step, or at the end of backward, when autograd holds nothing) it is the last
+        ``before_backward`` boundary, where all of the micro-batch's activations are alive, and the split sums to
+        that phase's activations tenant to the byte.
+
+        Args:
+            top: how many modules to name, largest first (ties by path); the rest are summed under
+                ``OTHER_MODULES``, so the values still add up to the whole.
+
+        Returns:
+            The moment (``AT_PEAK`` or ``AT_BEFORE_BACKWARD``) and the bytes by module, largest first; the dict is
+            empty where no activation was alive then, or where the step was recorded without module paths.
+
+        Raises:
+            ValueError: if ``top`` is not a positive int.
+        """
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError(f"top must be a positive int, got {top!r}")
+        if self.activations_at_peak_bytes:
+            return AT_PEAK, top_modules(self.activations_at_peak_bytes, top)
+        return AT_BEFORE_BACKWARD, top_modules(self.activations_before_backward_bytes, top)
+
+
+def top_modules(by_module: dict[str, int], top: int = TOP_MODULES) -> dict[str, int]:
+    """The ``top`` largest entries of a split by module, largest first, and the rest under ``OTHER_MODULES``.
+
+    Args:
+        by_module: bytes by module path.
+        top: how many modules to name.
+
+    Returns:
+        A dict whose values add up to those of ``by_module``; entries of 0 bytes are left out.
+    """
+    ranked = sorted(((name, value) for name, value in by_module.items() if value), key=lambda kv: (-kv[1], kv[0]))
+    out = dict(ranked[:top])
+    rest = sum(value for _, value in ranked[top:])
+    if rest:
+        out[OTHER_MODULES] = rest
+    return out
 
 
 class TimelineRecorder:
@@ -108,12 +185,15 @@ class TimelineRecorder:
         self.op: Any = None
         self.where = ""
         self._allocs: list[tuple[int, int, int, int]] = []  # (key, bytes, label id, op index)
+        # allocation -> the storage's own bytes, where an allocator model rounded them up (the census counts these)
+        self._exact: dict[int, int] = {}
         self._trace: list[int] = []  # allocation i as i + 1, its free as -(i + 1)
         self._trace_ops: list[int] = []
         self._live: dict[int, int] = {}  # storage key -> allocation
         self._labels: dict[tuple[Any, str], int] = {}
         self._marks: list[tuple[str, int, int, dict[str, set[int]]]] = []  # (phase, events, op index, tenant keys)
         self._modules = list(module.named_modules()) if module is not None else []
+        self._module_paths = module is not None
         self._names = {id(m): name for name, m in self._modules}
         self._stack: list[tuple[str, list[Any]]] = []
         self._hooks: list[Any] = []
@@ -157,6 +237,10 @@ class TimelineRecorder:
             ident = self._labels[label] = len(self._labels)
         index = len(self._allocs)
         self._allocs.append((key, nbytes, ident, self.ops))
+        pads = getattr(self._tracker, "_pad", None)  # the tracker's allocator model's rounding, by storage
+        pad = pads.get(key, 0) if pads else 0
+        if pad:
+            self._exact[index] = nbytes - pad
         self._live[key] = index
         self._event(index + 1)
 
@@ -173,7 +257,12 @@ class TimelineRecorder:
     # -- the monitor's side ---------------------------------------------------------------------
 
     def mark(self, phase: str, tenants: dict[str, Iterable[int]]) -> None:
-        """A phase boundary (right after the memory source was read), with the storage keys of each tenant."""
+        """A phase boundary (right after the memory source was read), with the storage keys of each tenant.
+
+        Args:
+            phase: the phase boundary.
+            tenants: the storage keys by tenant (:func:`tenant_keys`), autocast's casts under ``CASTS``.
+        """
         self._marks.append((phase, len(self._trace), self.ops, {t: set(keys) for t, keys in tenants.items()}))
         if phase in ("after_backward", "before_optimizer_step") or phase == "batch_end":
             self.where = ""
@@ -187,7 +276,7 @@ class TimelineRecorder:
         codes = np.asarray(self._trace, dtype=np.int64)
         ops = np.asarray(self._trace_ops, dtype=np.int64)
         sizes = np.asarray([a[1] for a in self._allocs], dtype=np.int64)
-        layer = self._classify()
+        layer, saved = self._classify()
         index = np.abs(codes) - 1
         signs = np.where(codes > 0, 1, -1)
         deltas = np.zeros((n, len(LAYERS)), dtype=np.int64)
@@ -230,8 +319,13 @@ class TimelineRecorder:
                 peak_phase = phase
                 break
         region = _region(self._marks, peak_index)
+        peak_in_module = bool(peak_where)
         if not peak_where and region:
             peak_where = region
+        at_peak: dict[str, int] = {}
+        before_backward: dict[str, int] = {}
+        if self._module_paths:  # without them every storage would read as made outside any module
+            at_peak, before_backward = self._activations_by_module(codes, saved, best, labels)
         phases = [(phase, op_at, int(totals[p - 1]) if p > 0 else 0) for phase, p, op_at, _ in self._marks]
         trace: list[tuple[str, int, int]] = []
         allocations: list[tuple[int, str, str, int]] = []
@@ -266,21 +360,66 @@ class TimelineRecorder:
             trace=trace,
             allocations=allocations,
             resident=resident,
+            peak_in_module=peak_in_module,
+            activations_at_peak_bytes=at_peak,
+            activations_before_backward_bytes=before_backward,
+            module_paths=self._module_paths,
         )
 
-    def _classify(self) -> np.ndarray:
-        """Each allocation's layer: a tenant whose tensors held it at a phase boundary, else temporaries."""
+    def _activations_by_module(
+        self, codes: np.ndarray, saved: list[list[int]], best: int, labels: dict[int, tuple[Any, str]]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The activations by owning module at the peak event ``best`` and at the last ``before_backward``."""
+        before: list[int] = []
+        for (phase, _, _, _), indices in zip(self._marks, saved, strict=True):
+            if phase == "before_backward":
+                before = indices
+        at_peak: list[int] = []
+        every = sorted({index for indices in saved for index in indices})
+        if every and best >= 0:
+            # alive after event ``best``: allocated at or before it, and not freed by it
+            allocated = np.full(len(self._allocs), len(codes), dtype=np.int64)
+            freed = np.full(len(self._allocs), len(codes), dtype=np.int64)
+            positions = np.arange(len(codes), dtype=np.int64)
+            allocated[codes[codes > 0] - 1] = positions[codes > 0]
+            freed[-codes[codes < 0] - 1] = positions[codes < 0]
+            chosen = np.asarray(every, dtype=np.int64)
+            alive = (allocated[chosen] <= best) & (freed[chosen] > best)
+            at_peak = chosen[alive].tolist()
+        return self._by_module(at_peak, labels), self._by_module(before, labels)
+
+    def _by_module(self, indices: Iterable[int], labels: dict[int, tuple[Any, str]]) -> dict[str, int]:
+        """The bytes of these allocations by the module path they were made in, largest first.
+
+        The bytes are the storages' own, as the census counts them, not an allocator model's rounded blocks.
+        """
+        out: dict[str, int] = {}
+        for index in indices:
+            _, nbytes, ident, _ = self._allocs[index]
+            owner = labels[ident][1] or OUTSIDE_MODULES
+            out[owner] = out.get(owner, 0) + self._exact.get(index, nbytes)
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def _classify(self) -> tuple[np.ndarray, list[list[int]]]:
+        """Each allocation's layer: a tenant whose tensors held it at a phase boundary, else temporaries; and per
+        mark, the allocations that were the activations tenant there, as the census counts it (saved for backward,
+        and none of the other tenants' storages nor autocast's casts at that boundary)."""
         layer = np.full(len(self._allocs), len(LAYERS) - 1, dtype=np.int64)
+        saved: list[list[int]] = []
         marks = iter(self._marks)
         mark = next(marks, None)
         live: dict[int, int] = {}
         for position in range(len(self._trace) + 1):
             while mark is not None and mark[1] == position:
+                tenants = mark[3]
                 for rank, name in enumerate(LAYERS[:-1]):
-                    for key in mark[3].get(name, ()):
+                    for key in tenants.get(name, ()):
                         index = live.get(key)
                         if index is not None and layer[index] > rank:
                             layer[index] = rank
+                others = set().union(*(tenants.get(name, ()) for name in (*LAYERS[:3], CASTS)))
+                found = {live[key] for key in tenants.get("activations", ()) if key in live and key not in others}
+                saved.append(sorted(found))
                 mark = next(marks, None)
             if position == len(self._trace):
                 break
@@ -291,7 +430,7 @@ class TimelineRecorder:
                 key = self._allocs[-code - 1][0]
                 if live.get(key) == -code - 1:
                     del live[key]
-        return layer
+        return layer, saved
 
     # -- module paths ---------------------------------------------------------------------------
 
@@ -406,12 +545,29 @@ def timeline_of(report: Any) -> StepTimeline | None:
 
 
 def tenant_keys(
-    weights: Iterable[Tensor], gradients: Iterable[Tensor], state: Iterable[Tensor], saved: Iterable[Any]
+    weights: Iterable[Tensor],
+    gradients: Iterable[Tensor],
+    state: Iterable[Tensor],
+    saved: Iterable[Any],
+    casts: Iterable[Any] = (),
 ) -> dict[str, list[int]]:
-    """The storage keys (as the tracker keys them) of each known tenant, for :meth:`TimelineRecorder.mark`."""
+    """The storage keys (as the tracker keys them) of each known tenant, for :meth:`TimelineRecorder.mark`.
+
+    Args:
+        weights: the parameters and buffers.
+        gradients: their gradients.
+        state: the optimizer state's tensors.
+        saved: the storages autograd saved for backward, autocast's casts included (the stack's activations).
+        casts: of those, autocast's casts of weights: the ``autocast_cache`` part, left out of the activations
+            split by module.
+
+    Returns:
+        The keys by tenant, and the casts' under ``CASTS``.
+    """
     return {
         "weights": [id(t.untyped_storage()) for t in weights if t.layout is torch.strided],
         "gradients": [id(t.untyped_storage()) for t in gradients if t.layout is torch.strided],
         "optimizer_state": [id(t.untyped_storage()) for t in state if t.layout is torch.strided],
         "activations": [id(s) for s in saved],
+        CASTS: [id(s) for s in casts],
     }

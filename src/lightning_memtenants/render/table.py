@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.core.timeline import OTHER_MODULES, OUTSIDE_MODULES
 from lightning_memtenants.names import PARTS, PHASES, TENANTS
 from lightning_memtenants.units import mib
 
@@ -104,6 +105,8 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
         lines = [f"{NOT_MEASURED}{why}; {tenants}"]
     else:
         lines = [f"peak {mib(report.peak_bytes)} MiB; {tenants}", report.peak_explanation]
+        if report.activations_by_module_bytes:
+            lines.append(activations_by_module_line(report))
     for name, value in report.parts_bytes.items():
         lines.append(f"{name}: {value:,} bytes at its high-water mark ({PARTS.get(name, 'a named part')})")
     lines.extend(report.notes)
@@ -126,6 +129,28 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
             lines.append(f"budget {mib(budget_bytes)} MiB; headroom {mib(budget_bytes - report.peak_bytes)} MiB")
     heading = f"memtenants: optimizer step {report.step}" if title is None else title
     return Table(heading, report.memory_source, rows, lines, columns)
+
+
+def activations_by_module_line(report: StepReport) -> str:
+    """The line on where the activations live: the largest modules' bytes at the moment the split was taken.
+
+    Args:
+        report: a step whose ``activations_by_module_bytes`` is filled (a step that recorded a timeline).
+
+    Returns:
+        For example ``"activations by module at the step's peak: blocks.1.act (1.00 MiB), head (0.06 MiB);
+        1.06 MiB in all"``; a split taken at ``before_backward`` says that no activation was alive at the peak.
+    """
+    split = report.activations_by_module_bytes
+    moment = (
+        "at the step's peak"
+        if report.activations_by_module_at == "peak"
+        else f"at {report.activations_by_module_at or 'before_backward'} (none was alive at the step's peak)"
+    )
+    # the two entries that are no module path read without their parentheses: "other modules (4.54 MiB)"
+    named = {OTHER_MODULES: OTHER_MODULES[1:-1], OUTSIDE_MODULES: OUTSIDE_MODULES[1:-1]}
+    modules = ", ".join(f"{named.get(name, name)} ({mib(value)} MiB)" for name, value in split.items())
+    return f"activations by module {moment}: {modules}; {mib(sum(split.values()))} MiB in all"
 
 
 def _highest(values: Iterable[int | None]) -> int | None:
