@@ -482,11 +482,31 @@ class LiveTensorTracker:
         Args:
             storage: the storage that ``UntypedStorage.resize_`` just resized.
         """
-        if self.error is None and (storage.device.type == self.device_type or self.device_type is None):
+        # a fake tensor's storage is on the meta device: a dry run counts it, as ``adopt`` does
+        counted = storage.device.type == self.device_type or self.device_type is None or self.count_fake
+        if self.error is None and counted:
             try:
                 self._add_storage(storage)
             except Exception as error:
                 self.error = error
+
+    def transient(self, nbytes: int) -> None:
+        """Count memory an operator allocates and frees again inside itself, which no tensor it returns shows.
+
+        A backend's scratch buffer (gloo's copy of a reduce-scatter's input, say) reaches the peaks and the
+        timeline, not the current bytes.
+
+        Args:
+            nbytes: the scratch buffer's bytes.
+        """
+        if self.error is not None or nbytes <= 0:
+            return
+        self._grow(nbytes)
+        self.current_bytes -= nbytes
+        if self.recorder is not None:
+            key = object()
+            self.recorder.alloc(id(key), nbytes)
+            self.recorder.free(id(key))
 
     def host(self, tensor: Tensor) -> None:
         """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later.

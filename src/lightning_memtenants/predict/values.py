@@ -115,7 +115,8 @@ class KnownValues(TorchFunctionMode):
         self.tracker = tracker
         self.limit = limit
         self.device = device
-        self.factories = tensor_factories()
+        # ``torch.empty`` and its kin make no values to branch on: their tensors stay fake (FSDP2's buffers are made so)
+        self.factories = frozenset(f for f in tensor_factories() if "empty" not in getattr(f, "__name__", ""))
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
