@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_memtenants import StepReport, predict
+from lightning_memtenants import StepReport, dry_run, predict
 from lightning_memtenants.cli import build_parser, main
 from lightning_memtenants.names import PARTS, TENANTS
 from lightning_memtenants.render.table import step_table
@@ -183,7 +183,7 @@ def test_every_option_says_its_default(cli: Any) -> None:
         assert action.help, name
         rendered = action.help % {**vars(action), "prog": "memtenants"}
         default = "none" if action.default is None else str(action.default)
-        if name == "predict --batch-size":
+        if name in ("predict --batch-size", "advise --batch-size"):
             default = "1"  # None stands for 1, or the first dimension of --input-shape
         assert f"(default: {default}" in rendered, (name, rendered)
     help_text = " ".join(cli("predict", "--help").stdout.split())
@@ -425,3 +425,95 @@ def test_the_table_s_columns_add_up_to_allocated(tmp_path: Path, user_module: st
     for label, cells in rows.items():
         if label != "high-water mark":
             assert sum(cells[:5]) == pytest.approx(cells[5], abs=0.03), label
+
+
+ADVISE_MODULE = """
+import torch
+from torch import nn
+import lightning as L
+
+
+class Blocks(L.LightningModule):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh()) for _ in range(2))
+        self.out = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(2))
+        self.width = width
+
+    def forward(self, x):
+        for block, out in zip(self.blocks, self.out):
+            x = x + out(block(x))
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def example_batch(self, batch_size, seq_len=None):
+        return (torch.randn(batch_size, self.width),)
+"""
+
+
+def test_advise_prints_the_measured_fixes_and_writes_json(tmp_path: Path, cli: Any) -> None:
+    path = tmp_path / "advised.py"
+    path.write_text(ADVISE_MODULE)
+    out = tmp_path / "advice.json"
+    run = cli("advise", f"{path}:Blocks", "--batch-size", "64", "--budget", "1MiB", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"memtenants advise {path}:Blocks: example_batch(64), 32-true, for the CPU"
+    assert lines[1].endswith("and fits; a fix fits 1 MiB less a 5% margin (0.95 MiB)")
+    assert lines[2].split() == ["fix", "peak", "MiB", "saves", "MiB", "fits", "how"]
+    document = json.loads(out.read_text())
+    assert (document["budget_bytes"], document["limit_bytes"], document["fits"]) == (2**20, int(2**20 * 0.95), True)
+    fixes = {fix["name"]: fix for fix in document["fixes"]}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("advised_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # each row is the dry run of that fix: the highest peak of two steps
+    for name, options in {
+        "bf16-mixed": {"precision": "bf16-mixed"},
+        "smaller micro-batch (32 x accumulate_grad_batches=2)": {"accumulate_grad_batches": 2},
+    }.items():
+        size = 32 if "accumulate_grad_batches" in options else 64
+        expected = dry_run(module.Blocks(), (torch.Size([size, 16]),), steps=2, **options)
+        assert fixes[name]["peak_bytes"] == max(r.peak_bytes for r in expected.reports), name
+        row = next(line for line in lines if line.startswith(name + "  "))
+        assert f"{fixes[name]['peak_bytes'] / 2**20:,.2f}" in row and "  yes  " in row
+    baseline = dry_run(module.Blocks(), (torch.Size([64, 16]),), steps=2)
+    assert document["baseline_peak_bytes"] == max(r.peak_bytes for r in baseline.reports)
+    # the longest ModuleList is a tie of two; the first found holds the blocks
+    assert "activation checkpointing (2 of 2 blocks)" in fixes
+    assert fixes["SGD with momentum"]["changes_training"] and not fixes["bf16-mixed"]["changes_training"]
+    assert fixes["bf16-mixed"]["trainer_kwargs"] == {"precision": "bf16-mixed"}
+    assert "not tried: foreach=False: the optimizer runs its single-tensor loop already" in run.stdout
+
+
+def test_advise_refuses_bad_input_in_one_line(tmp_path: Path, user_module: str, cli: Any) -> None:
+    cases = [
+        ((f"{user_module}:Model",), "the following arguments are required: --budget"),
+        ((f"{user_module}:Model", "--budget", "12XB"), "--budget"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--margin", "1"), "--margin: must be a fraction in [0, 1)"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--accumulate-grad-batches", "0"), "--accumulate-grad-batches"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--target", "TPU"), "--target must be one of"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--init", "[1]"), "--init must be a JSON object"),
+        ((f"{user_module}:NoExample", "--budget", "1GiB"), "NoExample has no example_batch(batch_size, seq_len=None)"),
+        ((f"{user_module}:Nope", "--budget", "1GiB"), "has no class or function 'Nope'"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--json", str(tmp_path)), "is a directory"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--fsdp-ranks", "1,2"), "--fsdp-ranks: rank counts must be 2"),
+        ((f"{user_module}:Model", "--budget", "1GiB", "--fsdp-ranks", "two"), "--fsdp-ranks: must be rank counts"),
+    ]
+    for args, expected in cases:
+        run = cli("advise", *args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert expected in run.stderr, (args, run.stderr)
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert "Traceback" not in run.stderr and run.stdout == "", args
+    run = cli("advise")
+    assert run.returncode == 2 and run.stdout.startswith("usage: memtenants advise [-h]")
+    assert "--budget BUDGET" in run.stdout and "--input-shape SHAPE[:DTYPE]" in run.stdout

@@ -32,6 +32,7 @@ from lightning_memtenants.core.tracker import LiveTensorTracker
 from lightning_memtenants.lightning.callback import MemoryTenantsCallback
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Part, Phase, Tenant
+from lightning_memtenants.predict.advise import Advice, MeasuredFix, advise
 from lightning_memtenants.predict.dryrun import Prediction, dry_run, largest_batch_size, predict, sweep
 from lightning_memtenants.predict.transformer import ActivationCheck, activation_check, korthikanti_bytes
 from lightning_memtenants.render.table import format_table, summary_markdown
@@ -44,11 +45,13 @@ __all__ = [
     "AcceleratorSource",
     "ActivationCheck",
     "ActivationTracker",
+    "Advice",
     "CudaSource",
     "FixedCost",
     "GraphCounts",
     "LeakDetector",
     "LiveTensorTracker",
+    "MeasuredFix",
     "MemoryBudgetError",
     "MemorySource",
     "MemoryTenantsCallback",
@@ -65,6 +68,7 @@ __all__ = [
     "TenantMonitor",
     "TrackerSource",
     "activation_check",
+    "advise",
     "deepspeed_estimator_bytes",
     "deepspeed_zero_bytes",
     "dry_run",

@@ -30,8 +30,11 @@ __all__ = [
     "compiled_by_lightning",
     "compiled_in_place",
     "ddp_bucket_sizes",
+    "ddp_call_without_rebuild",
+    "ddp_without_rank_checks",
     "default_foreach",
     "dump_snapshot",
+    "fake_process_group",
     "inner_tensors",
     "is_mock_optimizer",
     "is_traceable_wrapper_subclass",
@@ -40,7 +43,9 @@ __all__ = [
     "mode_stack",
     "real_as_fake",
     "record_history",
+    "reduce_scatter_operator",
     "scaler_tensors",
+    "set_device_mesh",
     "tensor_factories",
     "unset_fake",
 ]
@@ -358,3 +363,94 @@ def compiled_by_lightning(module: Any) -> bool:
         True where Lightning holds a record of compiling it.
     """
     return getattr(module, "_compiler_ctx", None) is not None
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process ``rank`` of ``world_size`` over PyTorch's fake process group (collectives move no data).
+
+    The fake group and its store live in ``torch.testing._internal``: torch ships them for its own tests of
+    FSDP and DTensor, and no public API answers a collective without peers.
+
+    Args:
+        rank: the rank this process plays.
+        world_size: the ranks.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Hand a LightningModule its device mesh as Lightning's ``ModelParallelStrategy`` does (``_device_mesh``).
+
+    Args:
+        module: the LightningModule whose ``configure_model`` reads ``self.device_mesh``.
+        mesh: the device mesh.
+    """
+    module._device_mesh = mesh
+
+
+def ddp_without_rank_checks(build: Any) -> Any:
+    """``build()`` with DDP's check of the ranks' parameter shapes skipped: fake tensors have no data to send.
+
+    DDP calls its private ``_verify_param_shape_across_processes`` from its constructor; every rank of a dry run
+    builds the same model, so there is nothing to check.
+
+    Args:
+        build: a function that builds the ``DistributedDataParallel`` module.
+
+    Returns:
+        What ``build`` returns.
+    """
+    from torch.nn.parallel import distributed
+
+    verify = distributed._verify_param_shape_across_processes
+    distributed._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        return build()
+    finally:
+        distributed._verify_param_shape_across_processes = verify
+
+
+class _FixedBuckets:
+    """DDP's reducer, but its buckets are not rebuilt after the first step (the rebuild reads gradients' data)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def ddp_call_without_rebuild(ddp: Any, *args: Any) -> Any:
+    """One forward through DDP with its reducer told not to rebuild its buckets (``_rebuild_buckets``, private).
+
+    DDP reorders its buckets once, after the first step, from the order the gradients arrived in; on fake
+    tensors the C++ rebuild fails for want of data, and without it the buckets keep their first layout.
+
+    Args:
+        ddp: the ``DistributedDataParallel`` module.
+        *args: its forward's arguments.
+
+    Returns:
+        The forward's output.
+    """
+    reducer = ddp.reducer
+    ddp.reducer = _FixedBuckets(reducer)
+    try:
+        return ddp(*args)
+    finally:
+        ddp.reducer = reducer
+
+
+def reduce_scatter_operator() -> Any:
+    """The dispatcher's reduce-scatter operator, ``c10d._reduce_scatter_base_``, which FSDP2 runs in its backward.
+
+    Returns:
+        The operator overload, as a dispatch mode sees it.
+    """
+    return torch.ops.c10d._reduce_scatter_base_.default

@@ -22,7 +22,7 @@ import json
 import sys
 import sysconfig
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,6 +32,7 @@ from torch import nn
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
+from lightning_memtenants.predict.advise import Advice, advise
 from lightning_memtenants.predict.cuda_model import TARGET_HELP, CudaTarget, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
@@ -152,6 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="deprecated, to be removed in the next release: write --target A6000 instead (default: none)",
     )
     run.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="predict every rank of a data-parallel run in this process, over a fake process group: 'ddp', or"
+        " 'fsdp' (FSDP2's fully_shard; the model's own configure_model, else per block of its longest ModuleList"
+        " and the root); the table is rank 0's (default: none, one device)",
+    )
+    run.add_argument(
+        "--world-size",
+        type=_positive,
+        default=1,
+        help="the ranks of --strategy (default: %(default)s)",
+    )
+    run.add_argument(
         "--json",
         default=None,
         metavar="PATH",
@@ -165,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the step as a PyTorch memory snapshot (a pickle) that"
         " 'python -m torch.cuda._memory_viz trace_plot PATH -o step.html' renders (default: none)",
     )
+    _add_advise(commands, run)
     return parser
 
 
@@ -184,13 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv == ["predict"]:  # nothing to do: say what the command takes
+    if not argv or argv in (["predict"], ["advise"]):  # nothing to do: say what the command takes
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        print((commands.choices["predict"] if argv else parser).format_help(), end="")
+        print((commands.choices[argv[0]] if argv else parser).format_help(), end="")
         return 2
     args = parser.parse_args(argv)
     try:
-        return _predict(args)
+        return _advise(args) if args.command == "advise" else _predict(args)
     except UsageError as error:
         print(f"memtenants: error: {error}", file=sys.stderr)
         return 2
@@ -206,12 +222,7 @@ def _predict(args: argparse.Namespace) -> int:
             budget = parse_bytes(args.budget, "--budget")
         except ValueError as error:
             raise UsageError(error) from None
-    try:
-        init = json.loads(args.init)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
-    if not isinstance(init, dict):
-        raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
+    init = _init_of(args)
     shapes: list[Shape] | None = args.input_shape
     batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
     target, device, gpu = _device(args.device, args.gpu)
@@ -219,6 +230,103 @@ def _predict(args: argparse.Namespace) -> int:
     json_path = _output_path(args.json, "--json")
     snapshot_path = _output_path(args.snapshot, "--snapshot")
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout holds the JSON alone
+    build, make_batch = _model_source(args, init, shapes)
+    if args.world_size > 1 and args.strategy is None:
+        raise UsageError(f"--world-size {args.world_size} needs --strategy ddp or --strategy fsdp")
+    options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
+    if args.strategy is not None:
+        options = {**options, "strategy": args.strategy, "world_size": args.world_size}
+    prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
+    report = prediction.report
+    if snapshot_path is not None:
+        write_snapshot(prediction, snapshot_path)
+    print(_header(args, batch_size, shapes, gpu_target), file=out)
+    print(format_table(report), file=out)  # the report's notes include the prediction's own
+    if args.strategy is not None:
+        print(_ranks_text(prediction.ranks), file=out)
+    largest = None
+    if budget is not None:
+        # the steady state must fit (the optimizer state and the previous gradients resident), whatever --steps shows
+        steady: PredictOptions = {**options, "steps": max(args.steps, 2)}
+        largest = _run_step(
+            lambda: largest_batch_size(build, make_batch, budget, margin=args.margin, start=batch_size, **steady),
+            batch_size,
+        )
+        print(
+            f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}"
+            f" (a steady-state step {fits_text(budget, args.margin)})",
+            file=out,
+        )
+    if args.json is not None:
+        document = {
+            "target": args.target,
+            "batch_size": batch_size,
+            "seq_len": args.seq_len,
+            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
+            "precision": args.precision,
+            "device": device,
+            "gpu": gpu if gpu is not None or gpu_target is None else gpu_target.name,
+            "gpu_assumed": gpu_target is not None and gpu is None,
+            "budget_bytes": budget,
+            "margin": args.margin,
+            "limit_bytes": None if budget is None else Budget(budget, args.margin).limit_bytes,
+            "largest_batch_size": largest,
+            "notes": prediction.notes,
+            "report": report.to_dict(),
+        }
+        if args.strategy is not None:
+            document["strategy"] = args.strategy
+            document["world_size"] = args.world_size
+            document["ranks"] = [
+                {"rank": rank, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase, "tenants_bytes": r.tenants_bytes}
+                for rank, r in enumerate(prediction.ranks)
+            ]
+        text = json.dumps(document, indent=2)
+        if json_path is None:
+            print(text, flush=True)
+        else:
+            try:
+                json_path.write_text(text + "\n")
+            except OSError as error:
+                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
+    return 0
+
+
+def _ranks_text(ranks: Sequence[Any]) -> str:
+    """One line per group of ranks that hold the same: their peak and their tenants' high-water marks, in MiB."""
+    lines = ["per rank (ranks that hold the same are one line):"]
+    start = 0
+    for rank in range(1, len(ranks) + 1):
+        if rank == len(ranks) or ranks[rank] is not ranks[start]:
+            who = f"rank {start}" if rank - start == 1 else f"ranks {start}-{rank - 1}"
+            r = ranks[start]
+            tenants = ", ".join(f"{name} {value / MiB:,.2f}" for name, value in r.tenants_bytes.items())
+            lines.append(f"  {who}: peak {(r.peak_bytes or 0) / MiB:,.2f} MiB at {r.peak_phase}; {tenants} (MiB)")
+            start = rank
+    return "\n".join(lines)
+
+
+def _init_of(args: argparse.Namespace) -> dict[str, Any]:
+    """``--init``: the constructor's keyword arguments, a JSON object."""
+    try:
+        init = json.loads(args.init)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--init must be a JSON object of keyword arguments: {error}") from None
+    if not isinstance(init, dict):
+        raise UsageError(f"--init must be a JSON object of keyword arguments, got {args.init!r}")
+    return init
+
+
+def _model_source(
+    args: argparse.Namespace, init: dict[str, Any], shapes: list[Shape] | None
+) -> tuple[Callable[[], Any], Callable[[int], Any]]:
+    """The target loaded: a builder of the model (under the dry run's fake tensors) and the batch for a size.
+
+    Both ``predict`` and ``advise`` build the model and its batch so, and refuse what cannot be built in one line.
+
+    Raises:
+        UsageError: for a target that does not load or is not a LightningModule.
+    """
     factory = load_target(args.target)
     if inspect.isclass(factory) and not issubclass(factory, nn.Module):
         raise UsageError(f"{args.target} is a class but not an nn.Module: the command needs a LightningModule")
@@ -265,52 +373,7 @@ def _predict(args: argparse.Namespace) -> int:
 
         return batch
 
-    options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
-    prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
-    report = prediction.report
-    if snapshot_path is not None:
-        write_snapshot(prediction, snapshot_path)
-    print(_header(args, batch_size, shapes, gpu_target), file=out)
-    print(format_table(report), file=out)  # the report's notes include the prediction's own
-    largest = None
-    if budget is not None:
-        # the steady state must fit (the optimizer state and the previous gradients resident), whatever --steps shows
-        steady: PredictOptions = {**options, "steps": max(args.steps, 2)}
-        largest = _run_step(
-            lambda: largest_batch_size(build, make_batch, budget, margin=args.margin, start=batch_size, **steady),
-            batch_size,
-        )
-        print(
-            f"largest batch for a budget of {budget / MiB:,.0f} MiB: {largest}"
-            f" (a steady-state step {fits_text(budget, args.margin)})",
-            file=out,
-        )
-    if args.json is not None:
-        document = {
-            "target": args.target,
-            "batch_size": batch_size,
-            "seq_len": args.seq_len,
-            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
-            "precision": args.precision,
-            "device": device,
-            "gpu": gpu if gpu is not None or gpu_target is None else gpu_target.name,
-            "gpu_assumed": gpu_target is not None and gpu is None,
-            "budget_bytes": budget,
-            "margin": args.margin,
-            "limit_bytes": None if budget is None else Budget(budget, args.margin).limit_bytes,
-            "largest_batch_size": largest,
-            "notes": prediction.notes,
-            "report": report.to_dict(),
-        }
-        text = json.dumps(document, indent=2)
-        if json_path is None:
-            print(text, flush=True)
-        else:
-            try:
-                json_path.write_text(text + "\n")
-            except OSError as error:
-                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
-    return 0
+    return build, make_batch
 
 
 def _header(args: argparse.Namespace, batch_size: int, shapes: list[Shape] | None, gpu: CudaTarget | None) -> str:
@@ -538,6 +601,174 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+# -- memtenants advise: the fixes for a budget, measured by dry runs ---------------------------------------------
+
+# The options ``advise`` shares with ``predict``: the model, its batch, the precision and the device.
+_SHARED = ("target", "batch_size", "seq_len", "input_shape", "precision", "init", "device")
+
+
+def _add_advise(commands: Any, predict: argparse.ArgumentParser) -> None:
+    """``memtenants advise``: the same model and batch options as ``predict``, a budget, and the fixes' table."""
+    run = commands.add_parser(
+        "advise",
+        help="measure fixes for a step over a memory budget by dry runs: each fix's exact peak",
+        description="Measure candidate fixes for one training step against a memory budget, each by two-step dry runs"
+        " under fake tensors: bf16-mixed, activation checkpointing of the fewest blocks that fit, a smaller"
+        " micro-batch with accumulate_grad_batches, the optimizer's implementation, cheaper optimizers (they change"
+        " training), and combinations where no single fix fits. The model and batch options are predict's.",
+    )
+    for action in predict._actions:
+        if action.dest in _SHARED:
+            run._add_action(action)
+    run.add_argument(
+        "--budget",
+        required=True,
+        help="device memory a step may use, e.g. 24GiB; a fix fits where its peak is within it less --margin"
+        " (default: none, required)",
+    )
+    run.add_argument(
+        "--margin",
+        type=_fraction,
+        default=0.05,
+        help="the fraction of --budget kept free, as the callback keeps it (default: %(default)s)",
+    )
+    run.add_argument(
+        "--fsdp-ranks",
+        type=_rank_counts,
+        default=None,
+        metavar="N[,N...]",
+        help="also measure FSDP2 over these rank counts, e.g. 2,4,8, each rank taking its share of the batch"
+        " (default: none)",
+    )
+    run.add_argument(
+        "--accumulate-grad-batches",
+        type=_positive,
+        default=1,
+        help="the micro-batches per optimizer step the run uses now, as the Trainer's argument (default: %(default)s)",
+    )
+    run.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the advice as JSON to PATH; '-' writes only the JSON to stdout, and the table to stderr"
+        " (default: none, no JSON)",
+    )
+
+
+def _advise(args: argparse.Namespace) -> int:
+    """Run ``memtenants advise``: every argument checked first, then the dry runs, then the table."""
+    try:
+        budget = parse_bytes(args.budget, "--budget")
+    except ValueError as error:
+        raise UsageError(error) from None
+    init = _init_of(args)
+    shapes: list[Shape] | None = args.input_shape
+    batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
+    target, device, _ = _device(args.device, None)
+    gpu_target = resolve_target(target)
+    json_path = _output_path(args.json, "--json")
+    out = sys.stderr if args.json == "-" else sys.stdout
+    build, make_batch = _model_source(args, init, shapes)
+    options: PredictOptions = {
+        "precision": args.precision,
+        "target": target,
+        "accumulate_grad_batches": args.accumulate_grad_batches,
+    }
+    advice: Advice = _run_step(
+        lambda: advise(
+            build,
+            make_batch(batch_size),
+            budget,
+            margin=args.margin,
+            make_batch=make_batch,
+            fsdp_ranks=args.fsdp_ranks or (),
+            **options,
+        ),
+        batch_size,
+    )
+    where = (
+        "the CPU" if gpu_target is None else f"CUDA on {gpu_target.name} (compute capability {_capability(gpu_target)})"
+    )
+    batch = (
+        "input shapes " + " ".join(_shape_text(s) for s in shapes)
+        if shapes is not None
+        else f"example_batch({batch_size}{'' if args.seq_len is None else f', {args.seq_len}'})"
+    )
+    print(f"memtenants advise {args.target}: {batch}, {args.precision}, for {where}", file=out)
+    verdict = "fits" if advice.fits else "does not fit"
+    print(
+        f"the step peaks at {advice.baseline_peak_bytes / MiB:,.2f} MiB (two steps, the first optimizer step"
+        f" included) and {verdict}; a fix {fits_text(budget, args.margin)}",
+        file=out,
+    )
+    print(_advice_table(advice), file=out)
+    for note in advice.notes:
+        print(f"not tried: {note}", file=out)
+    if args.json is not None:
+        document = {
+            "target": args.target,
+            "batch_size": batch_size,
+            "seq_len": args.seq_len,
+            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
+            "precision": args.precision,
+            "device": device,
+            "gpu": None if gpu_target is None else gpu_target.name,
+            "accumulate_grad_batches": args.accumulate_grad_batches,
+            "fsdp_ranks": list(args.fsdp_ranks or ()),
+            "budget_bytes": budget,
+            "margin": args.margin,
+            "limit_bytes": advice.limit_bytes,
+            "baseline_peak_bytes": advice.baseline_peak_bytes,
+            "fits": advice.fits,
+            "fixes": [
+                {
+                    "name": fix.name,
+                    "peak_bytes": fix.peak_bytes,
+                    "saves_bytes": fix.saves_bytes,
+                    "fits": fix.fits,
+                    "trainer_kwargs": fix.trainer_kwargs,
+                    "batch_size": fix.batch_size,
+                    "applies_to_the_module": fix.apply is not None,
+                    "changes_training": fix.changes_training,
+                    "how": fix.how,
+                }
+                for fix in advice.fixes
+            ],
+            "notes": advice.notes,
+        }
+        text = json.dumps(document, indent=2)
+        if json_path is None:
+            print(text, flush=True)
+        else:
+            try:
+                json_path.write_text(text + "\n")
+            except OSError as error:
+                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
+    return 0
+
+
+def _rank_counts(text: str) -> tuple[int, ...]:
+    """``--fsdp-ranks``: rank counts of 2 or more, separated by commas."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be rank counts separated by commas, e.g. 2,4,8, got {text!r}") from None
+    if any(n < 2 for n in counts):
+        raise argparse.ArgumentTypeError(f"rank counts must be 2 or more, got {text!r}")
+    return counts
+
+
+def _advice_table(advice: Advice) -> str:
+    """The fixes, one row each: name, peak and saving in MiB, whether it fits, and how (fits first, then by peak)."""
+    width = max([len("fix"), *(len(fix.name) for fix in advice.fixes)])
+    lines = [f"{'fix':<{width}}  {'peak MiB':>12}  {'saves MiB':>12}  {'fits':<4}  how"]
+    for fix in advice.fixes:
+        fits = "yes" if fix.fits else "no"
+        figures = f"{fix.peak_bytes / MiB:>12,.2f}  {fix.saves_bytes / MiB:>12,.2f}"
+        lines.append(f"{fix.name:<{width}}  {figures}  {fits:<4}  {fix.how}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

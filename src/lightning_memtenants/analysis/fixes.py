@@ -1,4 +1,9 @@
-"""Remedies for a step that does not fit: each fix and the bytes it would save, and what the first step adds."""
+"""Remedies for a step that does not fit: each fix and the bytes it would save, and what the first step adds.
+
+These are estimates from the tenants of one step, for where no dry run can run (a sharded strategy, a
+device a dry run does not know, a step that reads values); ``predict.advise`` measures each fix exactly by
+dry runs, and the postmortem says which of the two it holds.
+"""
 
 from __future__ import annotations
 
@@ -45,11 +50,11 @@ def first_step_jump_bytes(module: nn.Module, optimizers: Sequence[Optimizer], st
 
 @dataclass(frozen=True)
 class Fix:
-    """One remedy for an OOM and the bytes it would save.
+    """One remedy for an OOM and the bytes it would save, estimated (``predict.advise.MeasuredFix`` is measured).
 
     Args:
         action: what to do, in words.
-        saves_bytes: about how many bytes it would save.
+        saves_bytes: about how many bytes it would save, estimated from the tenants.
     """
 
     action: str
@@ -65,7 +70,7 @@ def ranked_fixes(
     temporaries_bytes: int = 0,
     batch_temporaries_bytes: int = 0,
 ) -> list[Fix]:
-    """The fixes for the tenants at hand, most bytes saved first.
+    """The fixes for the tenants at hand, most bytes saved first: estimates, never measured.
 
     ``batch_temporaries_bytes`` is memory that grows with the batch but is not (yet) saved for
     backward: the forward's in-flight outputs when an OOM strikes there.

@@ -25,16 +25,18 @@ from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.storage import batch_tensors, tensors_in
 from lightning_memtenants.monitor import TenantMonitor
+from lightning_memtenants.predict.advise import Advice, advise
 from lightning_memtenants.predict.cuda_model import resolve_target
 from lightning_memtenants.predict.dryrun import sweep
 from lightning_memtenants.predict.fake import PRECISIONS
 from lightning_memtenants.predict.values import KNOWN_ELEMENTS
-from lightning_memtenants.units import MiB
+from lightning_memtenants.units import MiB, mib
 
 # The parts this component runs under its guard; each is disabled on its own.
 FORECAST, LEAKS = "the forecast", "leak detection"
 EXACT = "the exact largest batch (dry runs of the step)"
 LARGEST = "the largest batch"
+MEASURED = "the fixes by dry runs of the step"
 # (elements, bytes, samples) of a batch: the forecast's measure of its size
 BatchSize = tuple[int, int, int]
 
@@ -47,6 +49,9 @@ class Alerts:
         margin: the fraction of a budget kept free for allocator rounding.
         strict: raise :class:`MemoryBudgetError` where the first optimizer step is projected not to fit.
         warn: how a warning is given (rank zero's).
+        measure_fixes: at the first warning, measure the fixes for the run's step by dry runs
+            (``predict.advise``) and warn with them once the step is over (the tracker paused); the batch under
+            way is referenced until its step ends, for that and for the postmortem.
 
     Attributes:
         budget: the run's budget, or None.
@@ -54,8 +59,17 @@ class Alerts:
         leaks: the leak detector.
     """
 
-    def __init__(self, budget_bytes: int | None, *, margin: float, strict: bool, warn: Callable[[str], Any]) -> None:
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        *,
+        margin: float,
+        strict: bool,
+        warn: Callable[[str], Any],
+        measure_fixes: bool = False,
+    ) -> None:
         self.margin = margin
+        self.measure_fixes = measure_fixes
         self.budget = None if budget_bytes is None else Budget(budget_bytes, margin)
         self.strict = strict
         self.forecast = PeakForecast()
@@ -65,6 +79,10 @@ class Alerts:
         self._warned: set[str] = set()
         self._batch: BatchSize = (0, 0, 0)
         self._step: _StepSetup | None = None
+        self._why: str | None = "no model attached"  # why no dry run can stand for the run's step, or None
+        self._current: Any = None  # with measure_fixes: the batch of the step under way, until the step ends
+        self._advise = "none"  # "none", "pending" (at the next step end), "done"
+        self._advice: tuple[tuple[int, BatchShape], Advice] | None = None  # the last advice, by batch size and shape
 
     def attach(self, module: nn.Module, *, precision: str, device: torch.device, strategy: Any = None) -> str | None:
         """The run's module, whose step dry runs answer the largest batch exactly; None detaches it.
@@ -82,6 +100,7 @@ class Alerts:
         why = _unsupported(module, precision, device, strategy)
         if why is None:
             self._step = _StepSetup(weakref.ref(module), precision, _target(device))
+        self._why, self._advise = why, "none"
         return why
 
     def set_budget(self, budget_bytes: int | None) -> None:
@@ -102,6 +121,8 @@ class Alerts:
             measured: whether the memory source measures this step; without a budget, the size of a batch
                 it does not measure is never read, and is not taken.
         """
+        if self.measure_fixes:  # the step holds its batch anyway; the reference goes when the step ends
+            self._current = batch
         if not measured and self.budget is None:
             return
         sized = self.guard.run(FORECAST, batch_size, batch)
@@ -169,6 +190,85 @@ class Alerts:
                 least as long as any before, becomes the shape the exact answers are for (calibrated by this
                 step); None keeps the shape.
         """
+        try:
+            if self._advise == "pending":  # the step is over and the tracker paused: dry runs may run now
+                self._advise = "done"
+                self._warn_measured()
+            self._step_end(report, batch)
+        finally:
+            self._current = None
+
+    def advice(self) -> Advice | None:
+        """The fixes for the run's step, measured by dry runs (:meth:`_measure`); None where that failed.
+
+        A failure warns once, and every later call answers None without trying again: the postmortem then holds
+        the estimates.
+
+        Returns:
+            The advice, or None.
+        """
+        return self.guard.run(MEASURED, self._measure)
+
+    def _measure(self) -> Advice:
+        """The fixes for the run's step, measured by dry runs of a copy of the module on the meta device.
+
+        The step is the batch under way (referenced with ``measure_fixes``) at the trainer's precision and
+        accumulation, for the run's device; the budget is the run's. It counts the step's own memory: what else the
+        process holds (the data set, another model) is not in it.
+
+        Returns:
+            The advice.
+
+        Raises:
+            ValueError: saying why no dry run can stand for the run's step (a sharded strategy, no budget, no batch).
+        """
+        setup, batch, budget = self._step, self._current, self.budget
+        if setup is None:
+            raise ValueError(f"the step cannot be dry-run: {self._why}")
+        if budget is None:
+            raise ValueError("there is no budget to measure the fixes against")
+        if batch is None or not any(t.dim() for t in batch_tensors(batch)):
+            raise ValueError("no batch of the step under way to dry-run")
+        module = setup.module()
+        if module is None:
+            raise ValueError("the model was freed, so its step cannot be run again")
+        template = BatchTemplate(batch)
+        key = (template.samples, template.shape)
+        if self._advice is not None and self._advice[0] == key:  # measured at the warning already
+            return self._advice[1]
+        trainer = getattr(module, "_trainer", None)  # the Trainer's accumulation, where one is attached
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        found = advise(
+            meta_copy(module),
+            template.make(template.samples),
+            budget.total_bytes,
+            margin=budget.margin,
+            make_batch=template.make,
+            precision=setup.precision,
+            target=setup.target,
+            accumulate_grad_batches=accumulate,
+        )
+        self._advice = (key, found)
+        return found
+
+    def can_advise(self) -> bool:
+        """Whether :meth:`advice` may be tried: ``measure_fixes``, a model a dry run can stand for, and a budget."""
+        return self.measure_fixes and self._step is not None and self.budget is not None
+
+    def _warn_measured(self) -> None:
+        advice = self.advice()
+        if advice is None:
+            return
+        lines = [
+            f"memtenants: the fixes for the warning above, measured by dry runs of this step (two steps each, the peak"
+            f" against {mib(advice.limit_bytes)} MiB, the budget less the margin):"
+        ]
+        for fix in advice.fixes[:6]:
+            verdict = "fits" if fix.fits else "does not fit"
+            lines.append(f"  {fix.name}: peak {mib(fix.peak_bytes)} MiB, {verdict}; {fix.how}")
+        self._warn("\n".join(lines))
+
+    def _step_end(self, report: StepReport, batch: Any) -> None:
         if report.peak_bytes is None:
             return
         elements, nbytes, samples = self._batch
@@ -287,6 +387,8 @@ class Alerts:
         if strict:
             raise MemoryBudgetError(message)
         self._warn(message)
+        if self._advise == "none" and self.can_advise():
+            self._advise = "pending"
 
     def _project_backward(self, monitor: TenantMonitor) -> int | None:
         elements = self._batch[0]

@@ -101,6 +101,11 @@ class MemoryTenantsCallback(Callback):
             the process reads from ``max_memory_allocated()``; the run's highest reading stays in
             ``run_peak_bytes``. ``False`` leaves the counter alone, and a window's peak is then
             measured only where it set a new high.
+        measure_fixes: measure the fixes by dry runs of the step (``advise``: each fix's exact peak, under fake
+            tensors on the CPU), once, at the first budget warning (warned when that step is over) and in an OOM
+            postmortem, where a dry run can stand for the step (one device, a known precision, a budget); else, or
+            where the dry runs fail (warned once), the postmortem holds today's estimates, labelled so. It costs
+            some dozen dry runs of the step, once, and keeps a reference to the batch until its step ends.
 
     Attributes:
         latest: the report of the last optimizer step of the last fit, or None.
@@ -136,6 +141,7 @@ class MemoryTenantsCallback(Callback):
         record_history: bool = False,
         desk_every_n_logs: int = 10,
         reset_peak_stats: bool = True,
+        measure_fixes: bool = False,
     ) -> None:
         self.track_activations = flag(track_activations, "track_activations")
         self.track_every_step = flag(track_every_step, "track_every_step")
@@ -143,6 +149,7 @@ class MemoryTenantsCallback(Callback):
         self.strict = flag(strict, "strict")
         self.record_history = flag(record_history, "record_history")
         self.reset_peak_stats = flag(reset_peak_stats, "reset_peak_stats")
+        self.measure_fixes = flag(measure_fixes, "measure_fixes")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -170,7 +177,7 @@ class MemoryTenantsCallback(Callback):
         self.latest: StepReport | None = None
         self.latest_measured: StepReport | None = None
         self.first: StepReport | None = None
-        self._alerts = Alerts(None, margin=self.margin, strict=strict, warn=rank_zero_warn)
+        self._alerts = self._new_alerts()
         self._logs = Logs(
             log_every_n_steps, desk_every_n_logs=desk_every_n_logs, info=rank_zero_info, warn=rank_zero_warn
         )
@@ -321,7 +328,7 @@ class MemoryTenantsCallback(Callback):
         if stage == "fit":
             # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
             # which Lightning calls after setup
-            self._alerts = Alerts(None, margin=self.margin, strict=self.strict, warn=rank_zero_warn)
+            self._alerts = self._new_alerts()
             self._postmortem.path = None
 
     @override
@@ -522,6 +529,7 @@ class MemoryTenantsCallback(Callback):
                     step=self._step,
                     budget_bytes=self.budget,
                     last_step=self.latest,
+                    advice=self._alerts.advice if self._alerts.can_advise() else None,
                 )
                 if record is not None:
                     self._logs.postmortem(trainer, record, self.latest)
@@ -538,6 +546,11 @@ class MemoryTenantsCallback(Callback):
         self._unbind()
 
     # -- wiring ------------------------------------------------------------------------------------
+
+    def _new_alerts(self) -> Alerts:
+        return Alerts(
+            None, margin=self.margin, strict=self.strict, warn=rank_zero_warn, measure_fixes=self.measure_fixes
+        )
 
     def _make_source(self, pl_module: pl.LightningModule) -> MemorySource | None:
         source = self.memory_source

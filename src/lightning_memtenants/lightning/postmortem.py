@@ -20,6 +20,38 @@ from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import PHASES, WINDOW_NAMES
 from lightning_memtenants.render.postmortem import postmortem_record, write_postmortem
 
+# What the postmortem says of its fixes where no dry run measured them.
+ESTIMATED = (
+    "estimated from the tenants at the failure, not measured; MemoryTenantsCallback(measure_fixes=True) measures"
+    " each fix by dry runs of the step"
+)
+MEASURED = "the fixes by dry runs of the step"
+
+
+def measured_rows(advice: Any) -> list[dict[str, Any]]:
+    """The measured fixes of an ``Advice`` as the postmortem's JSON holds them, fits first.
+
+    Args:
+        advice: what ``predict.advise.advise`` returned.
+
+    Returns:
+        One dict per fix: ``name``, ``peak_bytes``, ``saves_bytes``, ``fits``, ``trainer_kwargs``, ``batch_size``,
+        ``changes_training`` and ``how``.
+    """
+    return [
+        {
+            "name": fix.name,
+            "peak_bytes": fix.peak_bytes,
+            "saves_bytes": fix.saves_bytes,
+            "fits": fix.fits,
+            "trainer_kwargs": fix.trainer_kwargs,
+            "batch_size": fix.batch_size,
+            "changes_training": fix.changes_training,
+            "how": fix.how,
+        }
+        for fix in advice.fixes
+    ]
+
 
 class Postmortem:
     """Writes ``memtenants_oom.json`` and ``.txt`` when training runs out of memory; never talks to other ranks.
@@ -39,6 +71,7 @@ class Postmortem:
         self.directory = directory
         self.record_history = record_history
         self.guard = Guard(warn, "writing")
+        self.measuring = Guard(warn, "measuring")
         self.log_dir: str | None = None
         self.path: Path | None = None
         self._recording = False
@@ -94,6 +127,7 @@ class Postmortem:
         step: int,
         budget_bytes: int | None,
         last_step: StepReport | None,
+        advice: Callable[[], Any] | None = None,
     ) -> dict[str, Any] | None:
         """Write the postmortem of ``error`` and return its record; None where writing it failed.
 
@@ -108,13 +142,16 @@ class Postmortem:
             step: the optimizer step that failed.
             budget_bytes: the run's budget, or None.
             last_step: the last completed step, or None.
+            advice: measures the fixes by dry runs of the step (``Alerts.advice``, an ``Advice``, or None where
+                that failed, warned once), or None for the estimates of ``analysis.fixes``; without an advice the
+                postmortem holds the estimates, labelled so.
 
         Returns:
             The record, or None.
         """
         return self.guard.run(
             "the postmortem",
-            lambda: self._write(monitor, module, error, (world_size, rank, step), budget_bytes, last_step),
+            lambda: self._write(monitor, module, error, (world_size, rank, step), budget_bytes, last_step, advice),
         )
 
     def _write(
@@ -125,6 +162,7 @@ class Postmortem:
         where: tuple[int, int, int],
         budget_bytes: int | None,
         last_step: StepReport | None,
+        advice: Callable[[], Any] | None = None,
     ) -> dict[str, Any]:
         world_size, rank, step = where
         last = monitor.last_phase()
@@ -145,6 +183,15 @@ class Postmortem:
             temporaries_bytes=optimizer_step_temporaries_bytes(monitor.optimizers) if failing == "batch_end" else 0,
             batch_temporaries_bytes=(other_now or 0) if failing in ("before_backward", "after_backward") else 0,
         )
+        measured, note = None, ESTIMATED
+        if advice is not None:
+            monitor.source.pause()  # the failed step's tracker stops here: the dry runs are not the run's memory
+            found = self.measuring.run(MEASURED, advice)  # a failure inside warns once, and answers None
+            measured = None if found is None else measured_rows(found)
+            if measured is None:
+                note = "estimated: measuring them by dry runs of the step failed (warned)"
+            else:
+                note = "measured for the step's own memory: what else the process holds is not in these peaks"
         record = postmortem_record(
             error=error,
             last_phase=last,
@@ -152,6 +199,8 @@ class Postmortem:
             tenants_now=tenants_now,
             other_now=other_now,
             fixes=fixes,
+            measured_fixes=measured,
+            fixes_note=note,
             budget_bytes=budget_bytes,
             step=step,
             rank=rank,

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from lightning_memtenants._private import hidden_saved_tensors_hooks, lightning_optimizers
+from lightning_memtenants.analysis.engines import ddp_notes_and_part, sharding_notes
 from lightning_memtenants.analysis.forecast import UNBOUNDED, PeakForecast, limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.record import StepReport
@@ -29,6 +30,17 @@ from lightning_memtenants.core.sources import TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
 from lightning_memtenants.core.timeline import StepTimeline, timeline_of
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
+from lightning_memtenants.predict.cluster import (
+    Parallel,
+    StepModule,
+    ddp_forward,
+    fake_group,
+    gloo_scratch,
+    parallel_of,
+    rank_classes,
+    shard,
+    wrap_ddp,
+)
 from lightning_memtenants.predict.cuda_kernels import CudaKernels, attention_note, fused_attention_rewrite
 from lightning_memtenants.predict.cuda_model import (
     HOST_OPS,
@@ -57,6 +69,21 @@ from lightning_memtenants.predict.values import KnownValues, is_unknown_value, u
 TARGETS = ("cpu", "cuda")
 
 ModelArg = nn.Module | Callable[[], nn.Module]
+
+# What a cluster's prediction leaves out, or models, of the backend its collectives run on.
+NCCL_NOTE = (
+    "NCCL's own buffers are not in this prediction: its communicators allocate their channels outside PyTorch's"
+    " caching allocator (often a few hundred MiB a process, set by NCCL_BUFFSIZE and the channel count)"
+)
+GLOO_NOTE = (
+    "collectives are modelled as gloo runs them on the CPU: a reduce-scatter copies its whole input while it runs;"
+    " gloo's worker thread may hold a finished collective's buffer a moment longer, which a real window then reads"
+)
+REBUILD_NOTE = (
+    "DDP rebuilds its buckets once, in the second step's forward; with gradient_as_bucket_view=True the old and"
+    " new buckets are briefly both alive, which this prediction does not model (that forward's window may read"
+    " up to twice the buckets' bytes more)"
+)
 BatchArg = Any
 
 
@@ -76,6 +103,12 @@ class PredictOptions(TypedDict, total=False):
             written ``"cuda:A6000"``.
         gpu: deprecated, to be removed in the next release: the GPU for ``target="cuda"``; write
             ``target="A6000"`` instead of ``target="cuda", gpu="A6000"``.
+        accumulate_grad_batches: micro-batches per optimizer step, as the Trainer's argument (default 1):
+            each step runs ``batch`` this many times, gradients kept between them, in Lightning's order.
+        strategy: ``None`` (the default: one device), ``"ddp"`` or ``"fsdp"`` (FSDP2's ``fully_shard``), or a
+            Lightning ``DDPStrategy`` / ``ModelParallelStrategy`` whose settings are read; every rank is
+            predicted in this process, over a fake process group of ``world_size`` ranks.
+        world_size: the ranks of ``strategy`` (default 1; more than 1 needs a strategy).
     """
 
     loss_fn: Callable[[nn.Module, Any], Tensor] | None
@@ -84,6 +117,9 @@ class PredictOptions(TypedDict, total=False):
     steps: int
     target: str
     gpu: str | None
+    accumulate_grad_batches: int
+    strategy: Any
+    world_size: int
 
 
 DEFAULTS: PredictOptions = {
@@ -93,6 +129,9 @@ DEFAULTS: PredictOptions = {
     "steps": 1,
     "target": "cpu",
     "gpu": None,
+    "accumulate_grad_batches": 1,
+    "strategy": None,
+    "world_size": 1,
 }
 
 
@@ -109,6 +148,8 @@ class Prediction:
         batch_bytes: bytes of the batch's tensors.
         batch_size: the leading size of the batch's first tensor (1 for a scalar).
         notes: what the prediction assumed, also in every report's notes.
+        ranks: under a ``strategy``, every rank's last report, in rank order (``reports`` are rank 0's); else the
+            last report alone.
     """
 
     reports: list[StepReport]
@@ -116,6 +157,7 @@ class Prediction:
     batch_bytes: int
     batch_size: int
     notes: list[str] = field(default_factory=list)
+    ranks: list[StepReport] = field(default_factory=list)
 
     @property
     def report(self) -> StepReport:
@@ -190,23 +232,95 @@ def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
     return _frozen(model, batch, options, timeline=True)
 
 
-def _frozen(model: ModelArg, batch: BatchArg, options: PredictOptions, *, timeline: bool) -> Prediction:
-    """A dry run with the collector frozen; ``timeline=False`` for a search that reads only the peak."""
+def _frozen(
+    model: ModelArg,
+    batch: BatchArg,
+    options: PredictOptions,
+    *,
+    timeline: bool,
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Prediction:
+    """A dry run with the collector frozen; ``timeline=False`` for a search that reads only the peak.
+
+    ``prepare`` changes the fake model before it runs (a fix under test, say), as it would change the real one.
+    """
     # no full collection walks the caller's objects in the middle of a dry run; a caller's own freeze is left alone
     frozen = gc.get_freeze_count() == 0
     if frozen:
         gc.freeze()
     try:
         with hidden_saved_tensors_hooks():  # the caller's own hooks are not called on our fake tensors
-            return _dry_run(model, batch, options, timeline)
+            return _dry_run(model, batch, options, timeline, prepare)
     finally:
         if frozen:
             gc.unfreeze()
 
 
-def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline: bool) -> Prediction:
-    """:func:`dry_run`'s body."""
+def _dry_run(
+    model: ModelArg,
+    batch: BatchArg,
+    options: PredictOptions,
+    timeline: bool,
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Prediction:
+    """:func:`dry_run`'s body: one device, or each class of ranks of a strategy once."""
     settings = _settings(model, batch, options)
+    parallel = settings.parallel
+    if parallel is None:
+        only = _one_rank(model, batch, settings, timeline, prepare, None).prediction
+        only.ranks = [only.report]
+        return only
+    first = _one_rank(model, batch, settings, timeline, prepare, _Rank(parallel, 0))
+    assert first.classes is not None
+    by_rank: dict[int, StepReport] = {}
+    for group in first.classes:
+        leader = _Rank(parallel, group[0])
+        done = first if group[0] == 0 else _one_rank(model, batch, settings, timeline, prepare, leader)
+        for rank in group:
+            by_rank[rank] = done.prediction.report
+    prediction = first.prediction
+    prediction.ranks = [by_rank[rank] for rank in range(parallel.world_size)]
+    return prediction
+
+
+@dataclass
+class _Rank:
+    """The rank a dry run plays, and, once the first rank has run, the classes of ranks that hold the same."""
+
+    parallel: Parallel
+    rank: int
+
+
+@dataclass
+class _RankRun:
+    prediction: Prediction
+    classes: list[list[int]] | None
+
+
+def _one_rank(
+    model: ModelArg,
+    batch: BatchArg,
+    settings: _Settings,
+    timeline: bool,
+    prepare: Callable[[nn.Module], None] | None,
+    rank: _Rank | None,
+) -> _RankRun:
+    """One dry run: the whole step on one device, or as one rank of a cluster over a fake process group."""
+    group: Any = contextlib.nullcontext() if rank is None else fake_group(rank.parallel.world_size, rank.rank)
+    with group as mesh:
+        return _run(model, batch, settings, timeline, prepare, rank, mesh)
+
+
+def _run(
+    model: ModelArg,
+    batch: BatchArg,
+    settings: _Settings,
+    timeline: bool,
+    prepare: Callable[[nn.Module], None] | None,
+    rank: _Rank | None,
+    mesh: Any,
+) -> _RankRun:
+    """:func:`_one_rank`'s body, inside the fake group where there is one."""
     loss_fn, optimizer, precision, gpu_target = settings.loss_fn, settings.optimizer, settings.precision, settings.gpu
     notes: list[str] = []
     if precision == "16-mixed" and gpu_target is None:
@@ -216,12 +330,24 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline
     with fake_session() as mode:
         fake = fake_module(model, mode, param_dtype, notes)
         fake.train()
+        if prepare is not None:
+            prepare(fake)
         lightning = loss_fn is None and _is_lightning(fake)
         if loss_fn is None and not lightning:
             raise ValueError("loss_fn is required for a plain nn.Module: loss_fn(model, batch) -> loss tensor")
+        classes = None
+        wrapped = None
+        if rank is not None:
+            notes.append(f"rank {rank.rank} of {rank.parallel.name}, predicted over a fake process group")
+            if rank.parallel.strategy == "fsdp":
+                notes.append(f"FSDP2: {shard(fake, mesh, lightning=lightning)}")
         faked = fake_batch(batch, fake, param_dtype, notes)
         elements, batch_bytes = batch_elements(faked)
         optimizers = _optimizers(fake, optimizer, lightning)
+        if rank is not None:
+            classes = rank_classes(fake, rank.parallel, optimizers)
+        if rank is not None and rank.parallel.strategy == "ddp":  # built before the step, as Lightning's setup does
+            wrapped = wrap_ddp(StepModule(fake, _step_runner(fake, lightning, loss_fn)), rank.parallel)
         if gpu_target is None:
             source = TrackerSource("cpu", scan=False, count_fake=True)
         else:  # CUDA modelled on the CPU: fake CUDA tensors cannot go through autograd on a CPU-only build
@@ -253,6 +379,15 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline
             for opt in optimizers:
                 notes.extend(cuda_optimizer_defaults(opt))
             notes.append(OUTSIDE_ALLOCATOR)
+        if rank is not None:
+            notes.extend(sharding_notes(fake, rank.parallel.world_size))
+            notes.append(NCCL_NOTE if gpu_target is not None else GLOO_NOTE)
+            if rank.parallel.strategy == "ddp" and rank.parallel.gradient_as_bucket_view:
+                notes.append(REBUILD_NOTE)
+            ddp_notes, buckets = ddp_notes_and_part(wrapped, lambda: monitor.measure)
+            notes.extend(ddp_notes)
+            if buckets is not None:
+                monitor.add_part("ddp_buckets", buckets)
         for note in notes:
             monitor.add_note(note)
         forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
@@ -260,7 +395,7 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline
         known = KnownValues(mode, source.tracker)
         kernels: Any = contextlib.nullcontext()
         if gpu_target is None:  # the CPU's dtypes where the fake kernels differ, before the tracker counts them
-            source.tracker.rewrite = cpu_kernels
+            source.tracker.rewrite = cpu_kernels if rank is None else gloo_scratch(source.tracker, cpu_kernels)
         else:  # CUDA's attention kernels, dropout masks and autocast lists, and the fused kernels' scratch
             kernels = CudaKernels(gpu_target.capability, source.tracker)
             forward = _clearing(forward, kernels)
@@ -269,7 +404,10 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline
             with threads, eager(), known, kernels:
                 try:
                     for index in range(settings.steps):
-                        step = _step(fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads)
+                        step = _step(
+                            fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads,
+                            accumulate=settings.accumulate, ddp=wrapped,
+                        )  # fmt: skip
                         reports.append(step)
                 finally:  # the tracker's dispatch mode leaves first (it is above the cuBLAS one), whatever was raised
                     monitor.close()
@@ -282,7 +420,14 @@ def _dry_run(model: ModelArg, batch: BatchArg, options: PredictOptions, timeline
         notes.append(note)
         for report in reports:
             report.notes.append(note)
-    return Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
+    return _RankRun(Prediction(reports, elements, batch_bytes, _leading_size(faked), notes), classes)
+
+
+def _step_runner(module: nn.Module, lightning: bool, loss_fn: Any) -> Callable[[Any, int], Any]:
+    """What the step's forward runs: the LightningModule's ``training_step``, or the caller's ``loss_fn``."""
+    if lightning:
+        return lambda batch, index: module.training_step(batch, index)  # type: ignore[operator]
+    return lambda batch, index: loss_fn(module, batch)
 
 
 def _clearing(forward: Callable[[], Any], kernels: CudaKernels) -> Callable[[], Any]:
@@ -465,6 +610,8 @@ class _Settings:
     precision: str
     steps: int
     gpu: CudaTarget | None
+    parallel: Parallel | None = None
+    accumulate: int = 1  # micro-batches per optimizer step (``accumulate_grad_batches``)
 
 
 def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
@@ -479,6 +626,9 @@ def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
     steps = given["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    accumulate = given["accumulate_grad_batches"]
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate_grad_batches must be a positive integer, got {brief(accumulate)}")
     gpu = _gpu_target(given["target"], given["gpu"])
     loss_fn, optimizer = given["loss_fn"], given["optimizer"]
     if loss_fn is not None and not callable(loss_fn):
@@ -487,7 +637,8 @@ def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
         raise ValueError(f"optimizer must be a callable that takes the parameters, got {optimizer!r}")
     if batch is None:
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
-    return _Settings(loss_fn, optimizer, precision, steps, gpu)
+    parallel = parallel_of(given["strategy"], given["world_size"])
+    return _Settings(loss_fn, optimizer, precision, steps, gpu, accumulate=accumulate, parallel=parallel)
 
 
 def _gpu_target(target: Any, gpu: Any) -> CudaTarget | None:
@@ -559,9 +710,23 @@ def _step(
     loss_fn: Callable[[nn.Module, Any], Tensor] | None,
     lightning: bool,
     threads: Any = None,
+    *,
+    accumulate: int = 1,
+    ddp: Any = None,
 ) -> StepReport:
-    """One step in Lightning's order: grads are zeroed after the forward, as its closure does."""
+    """One optimizer step in Lightning's order: ``accumulate`` micro-batches, then the optimizer.
+
+    As Lightning's closure does, the gradients are zeroed after the forward of the first micro-batch of the
+    window (``batch_idx % accumulate == 0``), each loss is divided by ``accumulate``, and the optimizer steps after
+    the last; the monitor sees each micro-batch's phases as the callback gives them (``before_optimizer_step``
+    in the last alone), and the step ends after the last ``batch_end``.
+    """
     manual = lightning and not getattr(module, "automatic_optimization", True)
+    if manual and accumulate > 1:  # Lightning refuses it too: a manual step accumulates by itself
+        raise ValueError(
+            "accumulate_grad_batches must be 1 under manual optimization (automatic_optimization=False), as"
+            f" Lightning requires, got {accumulate}"
+        )
 
     def before_step(*_: Any) -> None:
         monitor.phase("before_optimizer_step")
@@ -572,28 +737,40 @@ def _step(
             opt.zero_grad(set_to_none=True)
     restore = _attach_manual(module, optimizers, monitor, threads) if manual else None
     try:
-        monitor.phase("batch_start", batch=batch)
-        with forward():
-            out = module.training_step(batch, index) if lightning else loss_fn(module, batch)  # type: ignore[misc,operator]
-        if not manual:
-            loss = _loss_of(out, "training_step" if lightning else "loss_fn(model, batch)")
-            if lightning:
-                # Lightning's closure divides the loss by the accumulation factor, an int (autograd keeps that
-                # 0-d int64 for backward), lets the undivided loss go, and keeps a detached copy
-                loss = loss / 1
-                out = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, dict) else None
-                kept = loss.detach().clone()  # noqa: F841
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-            monitor.phase("before_backward", output=loss)
-            _backward(loss, threads)
-            monitor.phase("after_backward")
-            for opt in optimizers:
-                opt.step()
-            if lightning:  # the closure's output goes; a plain loop's ``loss`` lives on to the next step
-                del out, loss
-        monitor.phase("batch_end")
+        kept: Tensor | None = None
+        for micro in range(accumulate):
+            kept = None  # Lightning's previous batch output (the detached loss) is gone before the next batch
+            batch_idx = index * accumulate + micro
+            monitor.phase("batch_start", batch=batch)
+            with forward():
+                if ddp is not None:  # through DDP's forward, as Lightning's DDPStrategy runs the step
+                    out = ddp_forward(ddp, batch, batch_idx)
+                else:
+                    out = module.training_step(batch, batch_idx) if lightning else loss_fn(module, batch)  # type: ignore[misc,operator]
+            if not manual:
+                loss = _loss_of(out, "training_step" if lightning else "loss_fn(model, batch)")
+                if lightning:
+                    # Lightning's closure divides the loss by the accumulation factor, an int (autograd keeps that
+                    # 0-d int64 for backward), lets the undivided loss go, and keeps a detached copy
+                    loss = loss / accumulate
+                    out = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, dict) else None
+                    kept = loss.detach().clone()
+                    if micro == 0:  # the first batch of the accumulation window
+                        for opt in optimizers:
+                            opt.zero_grad(set_to_none=True)
+                elif accumulate > 1:  # a plain loop that accumulates averages its micro-batches' losses
+                    loss = loss / accumulate
+                monitor.phase("before_backward", output=loss)
+                _backward(loss, threads)
+                monitor.phase("after_backward")
+                if micro == accumulate - 1:
+                    for opt in optimizers:
+                        opt.step()
+                if lightning:  # the closure's output goes; a plain loop's ``loss`` lives on to the next step
+                    del out, loss
+            monitor.phase("batch_end")
         report = monitor.end_step()
+        del kept
     finally:
         for hook in hooks:
             hook.remove()

@@ -23,6 +23,8 @@ def postmortem_record(
     tenants_now: dict[Tenant, int] | None,
     other_now: int | None = None,
     fixes: Sequence[Fix] = (),
+    measured_fixes: Sequence[dict[str, Any]] | None = None,
+    fixes_note: str | None = None,
     budget_bytes: int | None = None,
     step: int = 0,
     rank: int = 0,
@@ -36,14 +38,19 @@ def postmortem_record(
         failing_window: the window that failed (a ``names.WINDOW_NAMES`` value), or None.
         tenants_now: the tenants counted at the failure, or None where that count failed.
         other_now: allocated bytes less the tenants at the failure, or None.
-        fixes: the remedies, most bytes saved first.
+        fixes: the estimated remedies (``analysis.fixes.ranked_fixes``), most bytes saved first.
+        measured_fixes: the fixes measured by dry runs of the step, JSON-ready (``name``, ``peak_bytes``,
+            ``saves_bytes``, ``fits``, ``trainer_kwargs``, ``batch_size``, ``changes_training``, ``how``), fits first;
+            they replace the estimates, and ``fixes_kind`` says which the record holds.
+        fixes_note: why the fixes are what they are (estimates where no dry run could measure them), or None.
         budget_bytes: the run's budget, or None.
         step: the optimizer step that failed.
         rank: this rank.
         last_step: the last completed step, or None.
 
     Returns:
-        The record; ``fattest_tenant`` is read from the tenants at the failure, else at the last phase.
+        The record; ``fattest_tenant`` is read from the tenants at the failure, else at the last phase. Its
+        ``fixes`` hold ``action`` and ``saves_bytes`` either way (a measured fix's ``action`` is its name).
     """
     tenants: dict[str, int] = dict(tenants_now or (last_phase.tenants_bytes if last_phase else {}))
     if other_now is not None:
@@ -62,7 +69,13 @@ def postmortem_record(
         "other_at_failure_bytes": other_now,
         "fattest_tenant": max(tenants, key=lambda t: tenants[t]) if tenants else None,
         "budget_bytes": budget_bytes,
-        "fixes": [{"action": f.action, "saves_bytes": f.saves_bytes} for f in fixes],
+        "fixes_kind": "estimated" if measured_fixes is None else "measured",
+        "fixes": (
+            [{"action": f.action, "saves_bytes": f.saves_bytes} for f in fixes]
+            if measured_fixes is None
+            else [{"action": fix["name"], **fix} for fix in measured_fixes]
+        ),
+        "fixes_note": fixes_note,
         "last_step": last_step.to_dict() if last_step is not None else None,
     }
 
@@ -100,9 +113,30 @@ def _rows(record: dict[str, Any]) -> list[tuple[str, int | None, int | None]]:
     return rows
 
 
+def _measured(record: dict[str, Any]) -> bool:
+    return record.get("fixes_kind") == "measured"
+
+
+def _fixes_title(record: dict[str, Any]) -> str:
+    if _measured(record):
+        return (
+            "fixes, measured by dry runs of the step (each fix's peak against the budget less the margin), fits first"
+        )
+    return "fixes, estimated from the tenants (not measured), most bytes saved first"
+
+
 def _fix_lines(record: dict[str, Any]) -> list[str]:
     fixes = record.get("fixes") or []
-    return [f"{i}. {fix['action']}: saves {mib(fix['saves_bytes'])} MiB" for i, fix in enumerate(fixes, 1)]
+    if not _measured(record):
+        lines = [f"{i}. {fix['action']}: saves {mib(fix['saves_bytes'])} MiB" for i, fix in enumerate(fixes, 1)]
+    else:
+        lines = [
+            f"{i}. {fix['action']}: peak {mib(fix['peak_bytes'])} MiB, saves {mib(fix['saves_bytes'])} MiB,"
+            f" {'fits' if fix['fits'] else 'does not fit'}; {fix['how']}"
+            for i, fix in enumerate(fixes, 1)
+        ]
+    note = record.get("fixes_note")
+    return lines + ([f"({note})"] if note else [])
 
 
 def postmortem_text(record: dict[str, Any], world_size: int = 1) -> str:
@@ -125,7 +159,7 @@ def postmortem_text(record: dict[str, Any], world_size: int = 1) -> str:
         f"{'tenant (MiB)':<18}{'last phase':>14}{'at failure':>14}",
     ]
     lines += [f"{name:<18}{mib(before):>14}{mib(now):>14}" for name, before, now in _rows(record)]
-    lines += ["", f"fattest tenant: {record.get('fattest_tenant')}", "fixes, most bytes saved first:"]
+    lines += ["", f"fattest tenant: {record.get('fattest_tenant')}", f"{_fixes_title(record)}:"]
     return "\n".join(lines + [f"  {line}" for line in _fix_lines(record)])
 
 
@@ -150,7 +184,8 @@ def postmortem_markdown(record: dict[str, Any]) -> str:
         "|---|---:|---:|",
     ]
     lines += [f"| `{name}` | {mib(before)} | {mib(now)} |" for name, before, now in _rows(record)]
-    lines += ["", f"Fattest tenant: `{record.get('fattest_tenant')}`.", "", "Fixes, most bytes saved first:", ""]
+    title = _fixes_title(record)
+    lines += ["", f"Fattest tenant: `{record.get('fattest_tenant')}`.", "", f"{title[0].upper()}{title[1:]}:", ""]
     return "\n".join(lines + _fix_lines(record))
 
 

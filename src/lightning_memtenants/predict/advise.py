@@ -1,0 +1,749 @@
+"""Fixes for a step over budget, measured by dry runs: each candidate's exact peak, never an estimate.
+
+``analysis.fixes`` guesses what a remedy saves from the tenants of one step; here each remedy is applied to a
+fake copy of the model and the step is run again under fake tensors, two steps (the first optimizer step, where
+the optimizer state is born, and a steady-state one). A fix's peak is the highest of the two step peaks, so it
+holds in a real fit from its first step on, to the byte on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+from typing_extensions import Unpack
+
+from lightning_memtenants._private import FakeTensor, TorchDispatchMode
+from lightning_memtenants.analysis.forecast import limit_bytes
+from lightning_memtenants.checks import brief
+from lightning_memtenants.core.storage import batch_tensors, storage_key
+from lightning_memtenants.predict.dryrun import DEFAULTS, ModelArg, Prediction, PredictOptions, _frozen
+from lightning_memtenants.predict.fake import check_precision
+from lightning_memtenants.units import parse_bytes
+
+# The names of the candidates, as ``MeasuredFix.name`` starts with them.
+BF16 = "bf16-mixed"
+CHECKPOINTING = "activation checkpointing"
+MICRO_BATCH = "smaller micro-batch"
+FOREACH = "foreach=False"
+FUSED = "fused=True"
+SGD = "SGD with momentum"
+ADAFACTOR = "Adafactor"
+# Adafactor's learning rate where the model's optimizer gives none (torch's default).
+ADAFACTOR_LR = 1e-2
+
+
+@dataclass(frozen=True)
+class MeasuredFix:
+    """One remedy, measured: the peak of a two-step dry run with the fix applied, and how to apply it.
+
+    Args:
+        name: what the fix is, e.g. ``"bf16-mixed"`` or ``"activation checkpointing (2 of 4 blocks)"``.
+        peak_bytes: the highest step peak of a two-step dry run with the fix (the first optimizer step included),
+            as the callback measures a real fit's steps.
+        saves_bytes: the baseline's peak less ``peak_bytes`` (below 0 where the fix costs memory).
+        fits: whether ``peak_bytes`` is within the budget less the margin (``Budget(budget, margin).limit_bytes``,
+            the rule of ``largest_batch_size``).
+        trainer_kwargs: what to pass to the ``Trainer``, e.g. ``{"precision": "bf16-mixed"}``.
+        batch_size: the micro-batch the fix assumes (the ``DataLoader``'s ``batch_size``), or None for the batch
+            as given.
+        apply: changes a LightningModule in place (wraps blocks in checkpointing, changes the optimizers that
+            ``configure_optimizers`` returns), or None where the fix needs no change to the module.
+        how: one sentence of the code the user writes.
+        changes_training: the fix changes what training computes (another optimizer), not only its memory.
+    """
+
+    name: str
+    peak_bytes: int
+    saves_bytes: int
+    fits: bool
+    trainer_kwargs: dict[str, Any]
+    batch_size: int | None
+    apply: Callable[[nn.Module], None] | None
+    how: str
+    changes_training: bool = False
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The baseline step against the budget, and every candidate fix, measured: fits first, then the lowest peak.
+
+    Args:
+        baseline_peak_bytes: the highest step peak of the two-step dry run without a fix.
+        budget_bytes: the budget, before the margin.
+        margin: the fraction of the budget kept free.
+        limit_bytes: what a step may reach: the budget less the margin.
+        batch_size: the batch's samples (the leading size of its first tensor).
+        fixes: the measured fixes, those that fit first, then by peak.
+        notes: the candidates that were not tried, and why.
+    """
+
+    baseline_peak_bytes: int
+    budget_bytes: int
+    margin: float
+    limit_bytes: int
+    batch_size: int
+    fixes: list[MeasuredFix]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits without a fix."""
+        return self.baseline_peak_bytes <= self.limit_bytes
+
+
+def advise(
+    model: ModelArg,
+    batch: Any,
+    budget_bytes: int | str,
+    *,
+    margin: float = 0.05,
+    make_batch: Callable[[int], Any] | None = None,
+    fsdp_ranks: Sequence[int] = (),
+    **options: Unpack[PredictOptions],
+) -> Advice:
+    """Measure each candidate fix for a step by dry runs, against a budget: what each one's peak would be.
+
+    The candidates: ``bf16-mixed`` (from ``32-true``); activation checkpointing of the blocks that save the most
+    (the blocks are the children of the model's longest ``nn.ModuleList``, else its top-level children), the
+    fewest that fit; a smaller micro-batch with ``accumulate_grad_batches`` keeping the effective batch, the
+    largest that fits; the optimizer's implementation (``foreach=False``, ``fused=True``) where it takes them;
+    cheaper optimizers (SGD with momentum, Adafactor), marked as changing training; FSDP2 over ``fsdp_ranks``
+    ranks; and where no fix that keeps the batch and the training fits, combinations of bf16-mixed,
+    checkpointing and the micro-batch. Where the baseline fits already, each
+    candidate shows what it would save: checkpointing every block, half the micro-batch.
+
+    Args:
+        model: as for :func:`~lightning_memtenants.predict.dryrun.predict`; never changed.
+        batch: as for ``predict``: the batch of one step (its leading size is the batch size).
+        budget_bytes: the memory a step may use: bytes, or a string like ``"24GiB"``.
+        margin: the fraction of ``budget_bytes`` kept free, in [0, 1) (default 5%, as ``largest_batch_size``).
+        make_batch: builds the batch for a batch size, for the micro-batch candidates; by default the given
+            batch's tensors are cut along their leading size (a callable ``batch`` then has no micro-batch).
+        fsdp_ranks: the rank counts to try FSDP2 over (e.g. ``(2, 4, 8)``), the effective batch kept; none by
+            default (each is a dry run of every class of ranks).
+        **options: see :class:`~lightning_memtenants.predict.dryrun.PredictOptions`, the step's own settings
+            (``loss_fn``, ``optimizer``, ``precision``, ``target``, ``accumulate_grad_batches``...); every dry
+            run is of two steps, so ``steps`` is not one of them.
+
+    Returns:
+        The baseline's peak, the budget and the measured fixes.
+
+    Raises:
+        ValueError: naming the argument, for a bad ``budget_bytes``, ``margin``, ``make_batch``, ``fsdp_ranks``,
+            ``steps``, ``strategy`` or ``world_size``, or as ``dry_run`` for a bad model, batch or option.
+        TypeError: for an option that does not exist.
+
+    Example::
+
+        advice = advise(SeedMLP(), (torch.Size([2048, 1024]),), "512MiB")
+        for fix in advice.fixes:
+            print(fix.name, fix.peak_bytes, fix.fits, fix.how)
+    """
+    limit = limit_bytes(budget_bytes, margin)
+    total = budget_bytes if isinstance(budget_bytes, int) else parse_bytes(budget_bytes, "budget_bytes")
+    if make_batch is not None and not callable(make_batch):
+        raise ValueError(
+            f"make_batch must be None or a callable make_batch(batch_size) -> batch, got {brief(make_batch)}"
+        )
+    if "steps" in options:
+        raise ValueError(
+            f"steps is not an option of advise: every dry run is of two steps (the first optimizer step and a"
+            f" steady-state one), got steps={brief(options['steps'])}"
+        )
+    ranks = tuple(fsdp_ranks) if isinstance(fsdp_ranks, (list, tuple)) else None
+    if ranks is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in ranks):
+        raise ValueError(f"fsdp_ranks must be a list of rank counts of 2 or more, got {brief(fsdp_ranks)}")
+    if options.get("strategy") is not None or options.get("world_size", 1) != 1:
+        raise ValueError("strategy and world_size: advise measures one device's step; give fsdp_ranks for FSDP")
+    runner = _Runner(model, batch, make_batch, dict(options), limit, tuple(sorted(set(ranks))))
+    baseline = runner.baseline()
+    fixes, notes = _candidates(runner)
+    measured = [_measured(runner, baseline, limit, candidate) for candidate in fixes]
+    keeping = [fix for fix in measured if fix.fits and fix.batch_size is None and not fix.changes_training]
+    if baseline > limit and not keeping:  # no fix that keeps the batch and the training fits: combine them
+        for candidate in _combinations(runner, notes):
+            measured.append(_measured(runner, baseline, limit, candidate))
+    measured.sort(key=lambda fix: (not fix.fits, fix.peak_bytes, fix.name))
+    return Advice(baseline, int(total), float(margin), limit, runner.samples, measured, notes)
+
+
+# -- a setting of the step: what a fix changes -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _OptimizerChange:
+    """What a fix does to the optimizers: new flags in place (``foreach``, ``fused``), or another optimizer."""
+
+    name: str
+    flags: tuple[tuple[str, Any], ...] = ()
+    replace: str | None = None  # "sgd" or "adafactor"
+
+    def change(self, optimizer: Optimizer, *, dry: bool) -> Optimizer:
+        """``optimizer`` changed (in place for flags), or its replacement over the same parameters."""
+        if self.replace is None:
+            for group in optimizer.param_groups:
+                group.update(self.flags)
+            optimizer.defaults.update(self.flags)
+            return optimizer
+        groups = [{"params": group["params"], "lr": group.get("lr", ADAFACTOR_LR)} for group in optimizer.param_groups]
+        if self.replace == "sgd":
+            return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=0.9)
+        made = torch.optim.Adafactor(groups, lr=groups[0]["lr"])
+        if dry:  # its step reads parameter norms (``.item()``), which fake tensors have not
+            made.step = functools.partial(_any_scalar_step, made.step)  # type: ignore[method-assign]
+        return made
+
+
+class _AnyScalar(TorchDispatchMode):
+    """Answers a fake tensor's ``.item()`` with 1: Adafactor's step reads norms only to scale its update, and the
+    scale changes no tensor's size, so the step's memory is what a real step allocates."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return 1.0 if args[0].is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _any_scalar_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with _AnyScalar():
+        return step(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One configuration of the step: the precision, the checkpointed blocks, the micro-batch, the optimizer."""
+
+    precision: str
+    accumulate: int
+    blocks: tuple[str, ...] = ()
+    micro: int | None = None  # None: the batch as given
+    optimizer: _OptimizerChange | None = None
+    ranks: int = 1  # above 1: FSDP2 over this many ranks, each with the micro-batch
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    setting: _Setting
+    how: str
+    changes_training: bool = False
+
+
+class _Runner:
+    """Dry runs of the step in each setting, each run once; the blocks and optimizers found on the way."""
+
+    def __init__(
+        self,
+        model: ModelArg,
+        batch: Any,
+        make_batch: Callable[[int], Any] | None,
+        options: dict,
+        limit: int,
+        fsdp_ranks: tuple[int, ...] = (),
+    ) -> None:
+        self.model, self.batch, self.make_batch, self.limit = model, batch, make_batch, limit
+        self.fsdp_ranks = fsdp_ranks
+        self.options = options
+        precision = options.get("precision", DEFAULTS["precision"])
+        accumulate = options.get("accumulate_grad_batches", DEFAULTS["accumulate_grad_batches"])
+        # the optimizers come from the module's configure_optimizers, else from the ``optimizer`` factory
+        self.configured = options.get("loss_fn") is None and options.get("optimizer") is None
+        self.base = _Setting(precision, accumulate)  # checked by the first dry run
+        self.peaks: dict[_Setting, int] = {}
+        self.samples = 1
+        self.blocks: list[tuple[str, int]] = []  # (name, bytes saved for backward), most first
+        self.optimizers: list[tuple[type, dict[str, Any]]] = []  # (class, the first group's flags)
+
+    def baseline(self) -> int:
+        """The step's own peak; its dry run checks every argument, finds the batch size and sees the optimizers."""
+        prediction = self._run(self.base, steps=2, record=True)
+        self.samples = prediction.batch_size
+        self.peaks[self.base] = max(r.peak_bytes or 0 for r in prediction.reports)
+        return self.peaks[self.base]
+
+    def peak(self, setting: _Setting) -> int:
+        """The highest step peak of a two-step dry run in ``setting``."""
+        if setting not in self.peaks:
+            prediction = self._run(setting, steps=2)
+            reports = [*prediction.reports, *prediction.ranks]  # rank 0's steps, and every rank's last
+            self.peaks[setting] = max(r.peak_bytes or 0 for r in reports)
+        return self.peaks[setting]
+
+    def fits(self, setting: _Setting) -> bool:
+        return self.peak(setting) <= self.limit
+
+    def _run(
+        self,
+        setting: _Setting,
+        *,
+        steps: int,
+        record: bool = False,
+        prepare: Callable[[nn.Module], None] | None = None,
+    ) -> Prediction:
+        """One dry run in ``setting``; ``record`` keeps the optimizers' classes and flags as the step makes them."""
+        options: dict[str, Any] = {
+            **self.options,
+            "steps": steps,
+            "precision": setting.precision,
+            "accumulate_grad_batches": setting.accumulate,
+        }
+        if setting.ranks > 1:
+            options.update(strategy="fsdp", world_size=setting.ranks)
+        change = setting.optimizer
+        if not self.configured and (change is not None or record):  # the optimizer factory, changed or watched
+            factory = self.options.get("optimizer") or torch.optim.Adam
+            seen = self._seen if record else _same
+            if change is None:
+                options["optimizer"] = lambda params: seen(factory(params))
+            else:
+                options["optimizer"] = lambda params: seen(change.change(factory(params), dry=True))
+        modules = _module_change(setting.blocks, change if self.configured else None, dry=True)
+
+        def prepared(fake: nn.Module) -> None:
+            modules(fake)
+            if prepare is not None:
+                prepare(fake)
+            configure = getattr(fake, "configure_optimizers", None)
+            if record and self.configured and callable(configure):
+                fake.configure_optimizers = lambda: _map_optimizers(configure(), self._seen)  # type: ignore[method-assign]
+
+        batch = self.batch if setting.micro is None else self.micro_batch(setting.micro)
+        return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
+
+    def _seen(self, optimizer: Optimizer) -> Optimizer:
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        flags = {key: group.get(key) for key in ("foreach", "fused") if key in optimizer.defaults}
+        self.optimizers.append((type(optimizer), flags))
+        return optimizer
+
+    def micro_batch(self, size: int) -> Any:
+        """The batch at ``size`` samples: ``make_batch(size)``, else the given batch cut along its leading size."""
+        if self.make_batch is not None:
+            return self.make_batch(size)
+        return _resized(self.batch, self.samples, size)
+
+    def rank_blocks(self) -> None:
+        """What each block saves for backward, in a one-step dry run: the storages made inside it and kept."""
+        saved: dict[str, int] = {}
+
+        def measure(fake: nn.Module) -> None:
+            for name, block in _blocks(fake):
+                saved[name] = 0
+                block.forward = _Measured(block, name, saved)  # type: ignore[method-assign]
+
+        self._run(self.base, steps=1, prepare=measure)
+        ranked = sorted(saved.items(), key=lambda item: -item[1])
+        self.blocks = [(name, nbytes) for name, nbytes in ranked if nbytes > 0]
+
+
+def _same(optimizer: Optimizer) -> Optimizer:
+    return optimizer
+
+
+# -- the fixes a user applies: checkpointed blocks, changed optimizers ----------------------------------------------
+
+
+class _Checkpointed:
+    """A block's forward under non-reentrant activation checkpointing: what it saves is recomputed in backward.
+
+    Set as the block's own ``forward``, so that its parameters keep their names (a checkpoint loads as before).
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.inner = block.__dict__.get("forward")  # a forward the instance was given, else the class's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.inner if self.inner is not None else type(self.block).forward.__get__(self.block)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+class _Measured:
+    """A block's forward that adds up the bytes of the storages it makes and saves for backward."""
+
+    def __init__(self, block: nn.Module, name: str, saved: dict[str, int]) -> None:
+        self.block, self.name, self.saved = block, name, saved
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kept = {storage_key(t) for t in (*self.block.parameters(), *self.block.buffers())}
+        kept |= {storage_key(t) for t in batch_tensors((args, kwargs))}  # checkpointing keeps the inputs
+        seen: set[int] = set()
+
+        def pack(tensor: Tensor) -> Tensor:
+            key = storage_key(tensor)
+            if key not in kept and key not in seen:
+                seen.add(key)
+                self.saved[self.name] += int(tensor.untyped_storage().nbytes())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            return type(self.block).forward(self.block, *args, **kwargs)
+
+
+def checkpoint_blocks(module: nn.Module, names: Sequence[str]) -> None:
+    """Wrap the named blocks of ``module`` in non-reentrant activation checkpointing, in place; twice is once.
+
+    Args:
+        module: the model (a LightningModule or any ``nn.Module``).
+        names: the blocks' names in ``module.named_modules()``, e.g. ``"blocks.3"``.
+
+    Raises:
+        ValueError: if ``module`` has no submodule of one of the names.
+    """
+    for name in names:
+        try:
+            block = module.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"names: {type(module).__name__} has no block {name!r}") from None
+        if not isinstance(block.__dict__.get("forward"), _Checkpointed):
+            block.forward = _Checkpointed(block)  # type: ignore[method-assign]
+
+
+def _module_change(
+    blocks: tuple[str, ...], change: _OptimizerChange | None, *, dry: bool
+) -> Callable[[nn.Module], None]:
+    """What a fix does to a module: checkpoint ``blocks``, and change the optimizers ``configure_optimizers`` makes."""
+
+    def apply(module: nn.Module) -> None:
+        checkpoint_blocks(module, blocks)
+        if change is None:
+            return
+        configure = getattr(module, "configure_optimizers", None)
+        if not callable(configure):
+            raise ValueError(
+                f"module: the fix {change.name} changes the optimizers of configure_optimizers, which"
+                f" {type(module).__name__} does not have"
+            )
+        module.configure_optimizers = functools.partial(_changed_optimizers, configure, change, dry)  # type: ignore[method-assign]
+
+    return apply
+
+
+def _changed_optimizers(configure: Callable[[], Any], change: _OptimizerChange, dry: bool) -> Any:
+    return _map_optimizers(configure(), lambda optimizer: change.change(optimizer, dry=dry))
+
+
+def _map_optimizers(returned: Any, fn: Callable[[Optimizer], Optimizer]) -> Any:
+    """What ``configure_optimizers`` returned, each optimizer passed through ``fn``; schedulers follow theirs."""
+    if isinstance(returned, Optimizer):
+        return fn(returned)
+    if isinstance(returned, dict):
+        out = dict(returned)
+        if isinstance(out.get("optimizer"), Optimizer):
+            old = out["optimizer"]
+            out["optimizer"] = new = fn(old)
+            scheduler = out.get("lr_scheduler")
+            scheduler = scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler
+            if new is not old and scheduler is not None and getattr(scheduler, "optimizer", None) is old:
+                scheduler.optimizer = new
+        return out
+    if isinstance(returned, (list, tuple)):
+        mapped = [_map_optimizers(item, fn) for item in returned]
+        return type(returned)(mapped) if isinstance(returned, list) else tuple(mapped)
+    return returned
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks to checkpoint: the children of the longest ``nn.ModuleList``, else the top-level children (a lone
+    child stands for its own children)."""
+    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if lists:
+        name, longest = max(lists, key=lambda item: len(item[1]))
+        return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(longest)]
+    prefix, current = "", module
+    while True:
+        children = list(current.named_children())
+        if len(children) != 1:
+            return [(prefix + child, block) for child, block in children]
+        child, current = children[0]
+        prefix += child + "."
+
+
+def _resized(batch: Any, samples: int, size: int) -> Any:
+    """``batch`` at ``size`` samples: every tensor and shape whose leading size is ``samples`` cut to ``size``.
+
+    Floating tensors become meta stand-ins (a dry run needs their shape alone); integer and boolean ones keep
+    their first rows' values, so token ids and masks stay real.
+    """
+    if isinstance(batch, torch.Size):
+        return torch.Size([size, *batch[1:]]) if len(batch) and batch[0] == samples else batch
+    if isinstance(batch, Tensor):
+        if batch.dim() == 0 or int(batch.shape[0]) != samples:
+            return batch
+        if batch.is_meta or batch.is_floating_point() or batch.is_complex():
+            return torch.empty((size, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+        return batch[:size].clone()
+    if isinstance(batch, dict):
+        return {key: _resized(value, samples, size) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_resized(value, samples, size) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_resized(value, samples, size) for value in batch)
+    return batch
+
+
+# -- the candidates ------------------------------------------------------------------------------------------------
+
+
+def _candidates(runner: _Runner) -> tuple[list[_Candidate], list[str]]:
+    """Every single fix that applies to this step, with its setting searched where it has a size (blocks, batch)."""
+    base, notes, found = runner.base, [], []
+    if check_precision(base.precision) == "32-true":
+        found.append(_Candidate(BF16, _Setting(BF16, base.accumulate), "Trainer(precision='bf16-mixed')"))
+    else:
+        notes.append(f"{BF16}: the step runs in {base.precision} already")
+    checkpointed = _checkpoint_candidate(runner, base, notes)
+    if checkpointed is not None:
+        found.append(checkpointed)
+    micro = _micro_candidate(runner, base, notes)
+    if micro is not None:
+        found.append(micro)
+    found += _optimizer_candidates(runner, base, notes)
+    fsdp = _fsdp_candidate(runner, base, notes)
+    if fsdp is not None:
+        found.append(fsdp)
+    return found, notes
+
+
+def _fewest_blocks(runner: _Runner, setting: _Setting) -> _Setting:
+    """``setting`` with the fewest of the largest-saving blocks checkpointed that fit; every block where even
+    all do not fit, or where the step fits without any (the most checkpointing saves)."""
+    names = [name for name, _ in runner.blocks]
+    every = _with(setting, blocks=tuple(names))
+    if runner.fits(setting) or not runner.fits(every):
+        return every
+    lo, hi = 0, len(names)  # lo blocks do not fit, hi blocks fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if runner.fits(_with(setting, blocks=tuple(names[:mid]))):
+            hi = mid
+        else:
+            lo = mid
+    return _with(setting, blocks=tuple(names[:hi]))
+
+
+def _checkpoint_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candidate | None:
+    runner.rank_blocks()
+    if not runner.blocks:
+        notes.append(f"{CHECKPOINTING}: the model has no blocks that save tensors for backward")
+        return None
+    setting = _fewest_blocks(runner, base)
+    return _Candidate(_checkpoint_name(runner, setting), setting, _checkpoint_how(setting.blocks))
+
+
+def _checkpoint_name(runner: _Runner, setting: _Setting) -> str:
+    return f"{CHECKPOINTING} ({len(setting.blocks)} of {len(runner.blocks)} blocks)"
+
+
+def _checkpoint_how(blocks: tuple[str, ...]) -> str:
+    listed = ", ".join(blocks) if len(blocks) <= 4 else f"{', '.join(blocks[:3])} and {len(blocks) - 3} more"
+    return (
+        f"wrap {listed} in torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False), as fix.apply(model) does"
+    )
+
+
+def _micro_sizes(samples: int) -> list[int]:
+    """The micro-batches that keep the effective batch: the divisors of ``samples`` below it, largest first."""
+    return [samples // k for k in range(2, samples + 1) if samples % k == 0]
+
+
+def _largest_micro(runner: _Runner, setting: _Setting) -> _Setting | None:
+    """``setting`` with the largest micro-batch that fits, accumulating the rest; None for a batch of one sample.
+
+    The micro-batch is halved (to the largest divisor of the batch at most half the last) until it fits, then
+    the divisors between the last two tried are searched. The halving stops early where the peak cannot reach the
+    limit: each halving of a micro-batch saves about half what the one before it saved, so a peak above the limit by
+    more than its last saving stays above it (the smallest size tried is then the answer, and it does not fit).
+    Where the step fits as it is, the answer is half the batch, to show what that saves.
+    """
+    sizes = _micro_sizes(runner.samples)
+    if not sizes:
+        return None
+
+    def at(size: int) -> _Setting:
+        return _with(setting, micro=size, accumulate=setting.accumulate * (runner.samples // size))
+
+    if runner.fits(setting):
+        return at(sizes[0])
+    failed, previous = runner.samples, runner.peak(setting)
+    while True:
+        size = max(s for s in sizes if s <= failed // 2) if failed > 1 else None
+        if size is None:
+            return at(failed)
+        peak = runner.peak(at(size))
+        if peak <= runner.limit:
+            break
+        if peak - (previous - peak) > runner.limit or size == sizes[-1]:
+            return at(size)
+        failed, previous = size, peak
+    between = [s for s in sizes if size < s < failed]  # largest first: the first that fits is the answer
+    fits_at, left, right = size, 0, len(between) - 1
+    while left <= right:
+        mid = (left + right) // 2
+        if runner.fits(at(between[mid])):
+            fits_at, right = between[mid], mid - 1
+        else:
+            left = mid + 1
+    return at(fits_at)
+
+
+def _micro_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candidate | None:
+    if callable(runner.batch) and runner.make_batch is None:
+        notes.append(f"{MICRO_BATCH}: the batch is a callable; give make_batch(batch_size) to try smaller ones")
+        return None
+    setting = _largest_micro(runner, base)
+    if setting is None:
+        notes.append(f"{MICRO_BATCH}: a batch of {runner.samples} cannot be cut smaller")
+        return None
+    return _Candidate(_micro_name(setting), setting, _micro_how(runner, setting))
+
+
+def _micro_name(setting: _Setting) -> str:
+    return f"{MICRO_BATCH} ({setting.micro} x accumulate_grad_batches={setting.accumulate})"
+
+
+def _micro_how(runner: _Runner, setting: _Setting) -> str:
+    return (
+        f"DataLoader(..., batch_size={setting.micro}) and Trainer(accumulate_grad_batches={setting.accumulate}),"
+        f" which keeps the effective batch of {runner.samples * runner.base.accumulate}"
+    )
+
+
+def _optimizer_candidates(runner: _Runner, base: _Setting, notes: list[str]) -> list[_Candidate]:
+    """The optimizer's own implementations, where its class takes them, and the cheaper optimizers."""
+    if not runner.optimizers:
+        notes.append("the optimizer: the step makes none that a dry run could see")
+        return []
+    kinds = {cls for cls, _ in runner.optimizers}
+    cuda = str(runner.options.get("target", "cpu")).strip().lower() != "cpu"
+    found = []
+    where = "configure_optimizers" if runner.configured else "the optimizer factory"
+    takes_foreach = [flags for _, flags in runner.optimizers if "foreach" in flags]
+    # foreach keeps a temporary for every parameter at once; the single-tensor loop, torch's default on the CPU,
+    # one parameter's
+    if any(flags.get("foreach") or (flags.get("foreach") is None and cuda) for flags in takes_foreach):
+        change = _OptimizerChange(FOREACH, (("foreach", False),))
+        how = f"pass foreach=False to the optimizer in {where}"
+        found.append(_Candidate(FOREACH, _with(base, optimizer=change), how))
+    elif takes_foreach:
+        notes.append(f"{FOREACH}: the optimizer runs its single-tensor loop already (torch's default on the CPU)")
+    if any("fused" in flags and not flags["fused"] for _, flags in runner.optimizers):
+        change = _OptimizerChange(FUSED, (("fused", True), ("foreach", False)))
+        how = f"pass fused=True to the optimizer in {where}, e.g. torch.optim.AdamW(self.parameters(), fused=True)"
+        found.append(_Candidate(FUSED, _with(base, optimizer=change), how))
+    for name, kind, cls, written in (
+        (SGD, "sgd", torch.optim.SGD, "torch.optim.SGD(self.parameters(), lr=..., momentum=0.9)"),
+        (ADAFACTOR, "adafactor", torch.optim.Adafactor, "torch.optim.Adafactor(self.parameters(), lr=...)"),
+    ):
+        if kinds == {cls}:
+            notes.append(f"{name}: the step uses it already")
+            continue
+        if runner.configured:
+            how = f"return {written} from configure_optimizers, and tune its learning rate: it trains differently"
+        else:
+            made = written.replace("self.parameters()", "params")
+            how = f"make the optimizer factory return {made}, and tune its learning rate: it trains differently"
+        found.append(_Candidate(name, _with(base, optimizer=_OptimizerChange(name, replace=kind)), how, True))
+    return found
+
+
+def _fsdp_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candidate | None:
+    """FSDP over N ranks, the effective batch kept: the fewest of ``fsdp_ranks`` whose every rank fits.
+
+    Each rank takes ``samples / N`` of the batch (with the same accumulation), so the effective batch is the
+    same; its peak is the highest of rank 0's two steps and every rank's last (``dry_run(...).ranks``), by
+    ``dry_run(strategy="fsdp", world_size=N)``: FSDP2's ``fully_shard``, the module's own ``configure_model``
+    where it shards, else per block of its longest ``nn.ModuleList`` and the root. Where none fits, the most ranks.
+    """
+    if not runner.fsdp_ranks:
+        notes.append("FSDP over N ranks: give fsdp_ranks=(2, 4, 8) to measure it (one dry run per rank class)")
+        return None
+    if callable(runner.batch) and runner.make_batch is None:
+        notes.append("FSDP over N ranks: the batch is a callable; give make_batch(batch_size) to split it over ranks")
+        return None
+    usable = [n for n in runner.fsdp_ranks if runner.samples % n == 0]
+    for n in runner.fsdp_ranks:
+        if n not in usable:
+            notes.append(f"FSDP over {n} ranks: a batch of {runner.samples} does not split over {n} ranks")
+    if not usable:
+        return None
+    setting = base
+    for n in usable:
+        setting = _with(base, ranks=n, micro=runner.samples // n)
+        if runner.fits(setting):
+            break
+    n, micro = setting.ranks, setting.micro
+    how = (
+        f"Trainer(strategy=ModelParallelStrategy(), devices={n}) with DataLoader(..., batch_size={micro}) per rank,"
+        " the model sharded by FSDP2's fully_shard in configure_model (per block and the root, as the dry run does"
+        " for a model that shards nothing itself)"
+    )
+    return _Candidate(f"FSDP over {n} ranks", setting, how)
+
+
+def _combinations(runner: _Runner, notes: list[str]) -> list[_Candidate]:
+    """Where no single fix fits: bf16-mixed with checkpointing, with the micro-batch, and all three."""
+    base, found = runner.base, []
+    bf16 = check_precision(base.precision) == "32-true"
+    splittable = not (callable(runner.batch) and runner.make_batch is None) and bool(_micro_sizes(runner.samples))
+    every = tuple(name for name, _ in runner.blocks)
+    low = _with(base, precision=BF16) if bf16 else base
+    parts_bf16 = ["Trainer(precision='bf16-mixed')"] if bf16 else []
+    if bf16 and every:
+        setting = _fewest_blocks(runner, low)
+        name = f"{BF16} + {_checkpoint_name(runner, setting)}"
+        found.append(_Candidate(name, setting, "; ".join([*parts_bf16, _checkpoint_how(setting.blocks)])))
+    if bf16 and splittable:
+        setting = _largest_micro(runner, low)
+        if setting is not None:
+            found.append(
+                _Candidate(
+                    f"{BF16} + {_micro_name(setting)}", setting, "; ".join([*parts_bf16, _micro_how(runner, setting)])
+                )
+            )
+    if every and splittable:
+        setting = _largest_micro(runner, _with(low, blocks=every))
+        if setting is not None:
+            name = " + ".join([*([BF16] if bf16 else []), _checkpoint_name(runner, setting), _micro_name(setting)])
+            how = "; ".join([*parts_bf16, _checkpoint_how(every), _micro_how(runner, setting)])
+            found.append(_Candidate(name, setting, how))
+    if not found:
+        notes.append("combinations: no two candidates apply to this step")
+    return found
+
+
+def _with(setting: _Setting, **changes: Any) -> _Setting:
+    return replace(setting, **changes)
+
+
+def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate) -> MeasuredFix:
+    """The candidate's fix, with the peak of its dry run."""
+    setting, base = candidate.setting, runner.base
+    peak = runner.peak(setting)
+    kwargs: dict[str, Any] = {}
+    if setting.precision != base.precision:
+        kwargs["precision"] = setting.precision
+    if setting.accumulate != base.accumulate:
+        kwargs["accumulate_grad_batches"] = setting.accumulate
+    if setting.ranks > 1:
+        kwargs["devices"] = setting.ranks
+    change = setting.optimizer if runner.configured else None
+    apply = _module_change(setting.blocks, change, dry=False) if setting.blocks or change is not None else None
+    return MeasuredFix(
+        name=candidate.name,
+        peak_bytes=peak,
+        saves_bytes=baseline - peak,
+        fits=peak <= limit,
+        trainer_kwargs=kwargs,
+        batch_size=setting.micro,
+        apply=apply,
+        how=candidate.how,
+        changes_training=candidate.changes_training,
+    )

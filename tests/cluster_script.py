@@ -1,0 +1,107 @@
+"""Real gloo runs of Lightning's strategies for tests/test_cluster.py: ``python cluster_script.py N OUT``.
+
+Lightning's launcher starts the other ranks by running this script again. Each rank fits the same model
+three times, under DDPStrategy (with Adam, then ZeroRedundancyOptimizer) and under ModelParallelStrategy
+(FSDP2), every step tracked, and writes every step's report to ``OUT/<ddp|zero|fsdp>_rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memtenants import MemoryTenantsCallback
+
+
+class Blocks(L.LightningModule):
+    """Three Linear blocks of 32 -> 64 -> 42 -> 16, Tanh after each; FSDP2 shards each block and the root.
+
+    42 rows do not split evenly over 4 ranks (11, 11, 11, 9), so the ranks' shards differ. ``zero`` trains
+    with ZeroRedundancyOptimizer, which gives each rank the Adam state of its own parameters.
+    """
+
+    def __init__(self, fsdp: bool = False, zero: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fsdp, self.zero = fsdp, zero
+        self.blocks = nn.ModuleList([nn.Linear(32, 64), nn.Linear(64, 42), nn.Linear(42, 16)])
+
+    def configure_model(self) -> None:
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x = batch[0]
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        if self.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def fit(strategy: Any, fsdp: bool = False, zero: bool = False) -> list[dict[str, Any]]:
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    reports: list[dict[str, Any]] = []
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            reports.append(cb.latest.to_dict())
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(sys.argv[1]),
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        callbacks=[cb, Keep()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
+    trainer.fit(Blocks(fsdp, zero), DataLoader(data, batch_size=8))
+    return reports
+
+
+def main() -> None:
+    n, out = int(sys.argv[1]), Path(sys.argv[2])
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    ddp = fit(DDPStrategy(process_group_backend="gloo"))
+    rank = torch.distributed.get_rank()
+    (out / f"ddp_rank{rank}.json").write_text(json.dumps(ddp))
+    zero = fit(DDPStrategy(process_group_backend="gloo"), zero=True)
+    (out / f"zero_rank{rank}.json").write_text(json.dumps(zero))
+    fsdp = fit(ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1), fsdp=True)
+    (out / f"fsdp_rank{rank}.json").write_text(json.dumps(fsdp))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Fixes measured by dry runs: each predicted peak against a real CPU fit with the fix applied, to the byte.
+
+A real fit here is two optimizer steps of a Trainer with ``MemoryTenantsCallback(track_every_step=True)``; its
+peak is the higher of the two steps' (``cb.first`` and ``cb.latest``), as a fix's ``peak_bytes`` is the higher of
+a two-step dry run's. The data set is a list of separate sample tensors: a ``TensorDataset`` hands out views of
+one storage, which the tracker would count from the second micro-batch of an accumulated step on (it runs between
+micro-batches), and the prediction holds no data set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import assert_equals_the_real_run, make_trainer, no_collection
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_memtenants import MeasuredFix, MemoryTenantsCallback, advise, dry_run
+from lightning_memtenants.analysis.budget import Budget
+from lightning_memtenants.predict.advise import checkpoint_blocks
+
+WIDTH, SAMPLES = 32, 256
+HIDDEN = (64, 256, 128, 192)  # the blocks' hidden sizes: blocks.1 saves the most, then blocks.3
+
+
+class Blocks(L.LightningModule):
+    """Residual MLP blocks in an ``nn.ModuleList``, of different widths, so that they save different amounts."""
+
+    def __init__(self, hidden: tuple[int, ...] = HIDDEN, foreach: bool | None = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, h), nn.Tanh(), nn.Linear(h, WIDTH)) for h in hidden)
+        self.head = nn.Linear(WIDTH, 1)
+        self.foreach = foreach
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=self.foreach)
+
+
+def shapes(size: int) -> tuple[torch.Size]:
+    return (torch.Size([size, WIDTH]),)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet() -> Any:
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+def real_fit(
+    batch_size: int = SAMPLES,
+    trainer_kwargs: dict[str, Any] | None = None,
+    apply: Any = None,
+    module: L.LightningModule | None = None,
+) -> MemoryTenantsCallback:
+    """Two optimizer steps of a real fit on the CPU, measured on every step."""
+    kwargs = dict(trainer_kwargs or {})
+    model = module if module is not None else Blocks()
+    if apply is not None:
+        apply(model)
+    accumulate = kwargs.get("accumulate_grad_batches", 1)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(WIDTH, generator=generator),) for _ in range(batch_size * accumulate * 2)]
+    cb = MemoryTenantsCallback(track_every_step=True, print_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with no_collection():
+            make_trainer([cb], steps=2, **kwargs).fit(model, DataLoader(data, batch_size=batch_size))
+    assert cb.first is not None and cb.latest is not None and cb.first.step == 0 and cb.latest.step == 1
+    return cb
+
+
+def measured_peak(fix: MeasuredFix) -> int:
+    cb = real_fit(fix.batch_size or SAMPLES, fix.trainer_kwargs, fix.apply)
+    return max(cb.first.peak_bytes, cb.latest.peak_bytes)  # type: ignore[union-attr,type-var]
+
+
+def test_an_accumulated_step_is_predicted_as_lightning_runs_it_phase_by_phase() -> None:
+    """accumulate_grad_batches=2: two micro-batches per optimizer step, zero_grad after the first one's forward."""
+    cb = real_fit(64, {"accumulate_grad_batches": 2})
+    prediction = dry_run(Blocks(), shapes(64), steps=2, accumulate_grad_batches=2)
+    for predicted, real in zip(prediction.reports, (cb.first, cb.latest), strict=True):
+        assert real is not None and len(predicted.micro_batches) == len(real.micro_batches) == 2
+        assert_equals_the_real_run(predicted, {"report": dataclasses.asdict(real)})
+        for mine, theirs in zip(predicted.micro_batches, real.micro_batches, strict=True):
+            assert list(mine) == list(theirs)  # before_optimizer_step in the last micro-batch alone
+            for name in mine:
+                assert mine[name].tenants_bytes == theirs[name].tenants_bytes, name
+                assert mine[name].allocated_bytes == theirs[name].allocated_bytes, name
+                assert mine[name].window_peak_bytes == theirs[name].window_peak_bytes, name
+    first, second = prediction.reports
+    weights = first.tenants_bytes["weights"]
+    # the second micro-batch starts with the first one's gradients; the steady step's first one with the last step's
+    assert first.micro_batches[1]["batch_start"].tenants_bytes["gradients"] == weights
+    assert second.micro_batches[0]["batch_start"].tenants_bytes["gradients"] == weights
+    # zero_grad runs once per optimizer step, after the first micro-batch's forward
+    assert second.micro_batches[0]["before_backward"].tenants_bytes["gradients"] == 0
+    assert second.micro_batches[1]["before_backward"].tenants_bytes["gradients"] == weights
+
+
+def test_accumulate_grad_batches_is_checked() -> None:
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="accumulate_grad_batches must be a positive integer"):
+            dry_run(Blocks(), shapes(4), accumulate_grad_batches=bad)  # type: ignore[arg-type]
+
+    class Manual(Blocks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be 1 under manual optimization"):
+        dry_run(Manual(), shapes(4), accumulate_grad_batches=2)
+
+
+# The budget of the tests of single fixes: 1,615,000 bytes less the 5% margin, between the baseline's peak and one
+# checkpointed block's (the largest saver's), so that the fewest blocks that fit is one.
+BUDGET = 1_700_000
+
+
+@pytest.fixture(scope="module")
+def advice() -> Any:
+    return advise(Blocks(), shapes(SAMPLES), BUDGET, fsdp_ranks=(2, 4))
+
+
+def test_each_measured_fix_holds_to_the_byte_in_a_real_fit(advice: Any) -> None:
+    """On the CPU the prediction is exact: each fix's peak is the real fit's, not within 1% but equal."""
+    baseline = real_fit()
+    assert advice.baseline_peak_bytes == max(baseline.first.peak_bytes, baseline.latest.peak_bytes)
+    names = [fix.name for fix in advice.fixes]
+    assert sorted(names) == sorted(
+        [
+            "bf16-mixed",
+            "activation checkpointing (1 of 4 blocks)",
+            "smaller micro-batch (128 x accumulate_grad_batches=2)",
+            "foreach=False",
+            "fused=True",
+            "SGD with momentum",
+            "Adafactor",
+            "FSDP over 2 ranks",
+        ]
+    )  # one of each kind, and no combination: single fixes fit
+    for fix in advice.fixes:
+        assert fix.saves_bytes == advice.baseline_peak_bytes - fix.peak_bytes
+        if fix.name.startswith("FSDP"):  # no second process here: the cluster's dry run, rank by rank
+            cluster = dry_run(Blocks(), shapes(SAMPLES // 2), steps=2, strategy="fsdp", world_size=2)
+            assert fix.peak_bytes == max(r.peak_bytes for r in [*cluster.reports, *cluster.ranks])  # type: ignore[type-var]
+            assert (fix.trainer_kwargs, fix.batch_size) == ({"devices": 2}, SAMPLES // 2)
+            continue
+        assert measured_peak(fix) == fix.peak_bytes, fix.name
+
+
+def test_each_fix_says_what_to_pass_and_what_to_write(advice: Any) -> None:
+    fixes = {fix.name.split(" (")[0]: fix for fix in advice.fixes}
+    bf16 = fixes["bf16-mixed"]
+    assert (bf16.trainer_kwargs, bf16.batch_size, bf16.apply) == ({"precision": "bf16-mixed"}, None, None)
+    micro = fixes["smaller micro-batch"]
+    assert (micro.trainer_kwargs, micro.batch_size, micro.apply) == ({"accumulate_grad_batches": 2}, 128, None)
+    assert "batch_size=128" in micro.how and "accumulate_grad_batches=2" in micro.how
+    # the largest saver is the widest block, blocks.1 (256 hidden units); it alone is wrapped
+    checkpointed = fixes["activation checkpointing"]
+    assert checkpointed.trainer_kwargs == {} and "blocks.1 in torch.utils.checkpoint" in checkpointed.how
+    model = Blocks()
+    checkpointed.apply(model)
+    checkpointed.apply(model)  # twice is once
+    wrapped = [i for i, block in enumerate(model.blocks) if "forward" in block.__dict__]
+    assert wrapped == [1]
+    assert [name for name, _ in model.named_parameters()] == [name for name, _ in Blocks().named_parameters()]
+    for name in ("SGD with momentum", "Adafactor"):
+        assert fixes[name].changes_training and "it trains differently" in fixes[name].how
+    assert not any(fix.changes_training for key, fix in fixes.items() if key not in ("SGD with momentum", "Adafactor"))
+    fused = Blocks()
+    fixes["fused=True"].apply(fused)
+    (optimizer,) = [fused.configure_optimizers()]
+    assert optimizer.defaults["fused"] is True and optimizer.param_groups[0]["foreach"] is False
+    sgd = Blocks()
+    fixes["SGD with momentum"].apply(sgd)
+    replaced = sgd.configure_optimizers()
+    assert type(replaced) is torch.optim.SGD and replaced.defaults["momentum"] == 0.9
+    assert replaced.param_groups[0]["lr"] == 1e-3  # the model's own learning rate, to be tuned
+
+
+def test_fixes_are_sorted_fits_first_then_by_peak_and_fit_the_budget_less_the_margin(advice: Any) -> None:
+    limit = Budget(BUDGET, 0.05).limit_bytes
+    assert limit == 1_615_000  # 1,700,000 x 0.95
+    assert (advice.budget_bytes, advice.margin, advice.limit_bytes) == (BUDGET, 0.05, limit)
+    assert advice.baseline_peak_bytes > limit and not advice.fits
+    assert [fix.fits for fix in advice.fixes] == [fix.peak_bytes <= limit for fix in advice.fixes]
+    keys = [(not fix.fits, fix.peak_bytes) for fix in advice.fixes]
+    assert keys == sorted(keys)
+    # the optimizer's implementation saves nothing here: the peak is in backward, not in the optimizer step
+    unchanged = [fix for fix in advice.fixes if fix.name in ("foreach=False", "fused=True")]
+    assert [(fix.fits, fix.saves_bytes) for fix in unchanged] == [(False, 0), (False, 0)]
+    assert advice.fixes[-1].name in ("foreach=False", "fused=True")
+
+
+def test_combinations_where_no_fix_that_keeps_the_batch_fits() -> None:
+    """1.2 MB, no margin: neither bf16-mixed nor checkpointing every block fits alone; together, or with a
+    micro-batch, they do, and each combination's peak is the real fit's."""
+    advice = advise(Blocks(), shapes(SAMPLES), 1_200_000, margin=0.0)
+    combined = [fix for fix in advice.fixes if " + " in fix.name]
+    assert [fix.name for fix in combined] == [
+        "bf16-mixed + activation checkpointing (4 of 4 blocks) + smaller micro-batch (128 x accumulate_grad_batches=2)",
+        "bf16-mixed + smaller micro-batch (128 x accumulate_grad_batches=2)",
+        "bf16-mixed + activation checkpointing (1 of 4 blocks)",
+    ]
+    single = {fix.name: fix for fix in advice.fixes if " + " not in fix.name}
+    assert not single["bf16-mixed"].fits and not single["activation checkpointing (4 of 4 blocks)"].fits
+    for fix in combined:
+        assert fix.fits
+        assert measured_peak(fix) == fix.peak_bytes, fix.name
+    assert combined[0].trainer_kwargs == {"precision": "bf16-mixed", "accumulate_grad_batches": 2}
+
+
+def test_a_plain_module_gets_its_optimizer_factory_changed() -> None:
+    """With loss_fn and optimizer: the fixes change the factory; what they measure is a dry run with the flag."""
+    model = nn.Sequential(nn.Linear(WIDTH, 512), nn.Tanh(), nn.Linear(512, WIDTH))
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).pow(2).mean()
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, foreach=True)
+
+    options: dict[str, Any] = {"loss_fn": loss, "optimizer": adam}
+    advice = advise(model, torch.Size([8, WIDTH]), "1GiB", **options)
+    assert advice.fits and all(fix.fits for fix in advice.fixes)
+    fixes = {fix.name: fix for fix in advice.fixes}
+    single = dry_run(model, torch.Size([8, WIDTH]), steps=2, loss_fn=loss, optimizer=torch.optim.Adam)
+    fused = dry_run(
+        model, torch.Size([8, WIDTH]), steps=2, loss_fn=loss, optimizer=lambda p: torch.optim.Adam(p, fused=True)
+    )
+    assert fixes["foreach=False"].peak_bytes == max(r.peak_bytes for r in single.reports)
+    assert fixes["fused=True"].peak_bytes == max(r.peak_bytes for r in fused.reports)
+    assert fixes["fused=True"].apply is None and "the optimizer factory" in fixes["fused=True"].how
+    # a lone Sequential's children are the blocks; with room to spare, checkpointing shows what every block saves
+    assert "activation checkpointing (1 of 1 blocks)" in fixes or "activation checkpointing (2 of 2 blocks)" in fixes
+    # the batch fits: half of it is what a micro-batch would save
+    assert fixes["smaller micro-batch (4 x accumulate_grad_batches=2)"].batch_size == 4
+
+
+def test_a_callable_batch_needs_make_batch_for_micro_batches() -> None:
+    small = Blocks(hidden=(16, 16))
+    advice = advise(small, lambda: (torch.randn(8, WIDTH),), "1GiB")
+    assert not any(fix.name.startswith("smaller micro-batch") for fix in advice.fixes)
+    assert any("give make_batch(batch_size)" in note for note in advice.notes)
+    advice = advise(small, lambda: (torch.randn(8, WIDTH),), "1GiB", make_batch=shapes)
+    (micro,) = [fix for fix in advice.fixes if fix.name.startswith("smaller micro-batch")]
+    expected = dry_run(small, shapes(4), steps=2, accumulate_grad_batches=2)
+    assert micro.peak_bytes == max(r.peak_bytes for r in expected.reports) and micro.batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"budget_bytes": -1}, "budget_bytes must be"),
+        ({"budget_bytes": "12XB"}, "budget_bytes"),
+        ({"margin": 1.0}, "margin must be a fraction"),
+        ({"make_batch": 3}, "make_batch must be None or a callable"),
+        ({"steps": 1}, "steps is not an option of advise"),
+        ({"batch": None}, "batch must be"),
+        ({"precision": "fp8"}, "precision"),
+        ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be a positive integer"),
+        ({"fsdp_ranks": (1, 2)}, "fsdp_ranks must be a list of rank counts of 2 or more"),
+        ({"strategy": "fsdp", "world_size": 2}, "strategy and world_size: advise measures one device's step"),
+    ],
+)
+def test_bad_input_is_one_value_error_naming_the_argument(kwargs: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"batch": shapes(4), "budget_bytes": "1GiB", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        advise(Blocks(hidden=(8,)), arguments.pop("batch"), arguments.pop("budget_bytes"), **arguments)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gpus'"):
+        advise(Blocks(hidden=(8,)), shapes(4), "1GiB", gpus=1)  # type: ignore[call-arg]
+
+
+def test_checkpoint_blocks_refuses_a_block_that_is_not_there() -> None:
+    with pytest.raises(ValueError, match=r"names: Blocks has no block 'blocks\.9'"):
+        checkpoint_blocks(Blocks(), ["blocks.9"])
+
+
+class FailsAtStep(Blocks):
+    """Runs out of memory in the forward of step ``fail_step`` (an injected CUDA-style error)."""
+
+    def __init__(self, fail_step: int = 1, unknowable: bool = False) -> None:
+        super().__init__()
+        self.fail_step, self.unknowable = fail_step, unknowable
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.fail_step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        (x,) = batch
+        if self.unknowable and x.mean() > 10:  # a branch on a value: a dry run cannot take it
+            x = x * 2
+        return self(x).pow(2).mean()
+
+
+def oom_fit(tmp_path: Any, module: Blocks, **kwargs: Any) -> tuple[dict[str, Any], str, list[str]]:
+    """A fit that runs out of memory at step 1, with the budget of the tests; its postmortem and warnings."""
+    import json
+
+    cb = MemoryTenantsCallback(
+        budget_bytes=BUDGET, postmortem_dir=tmp_path, print_summary=False, track_every_step=True, **kwargs
+    )
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(WIDTH, generator=generator),) for _ in range(SAMPLES * 3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(torch.OutOfMemoryError), no_collection():
+            make_trainer([cb], steps=3).fit(module, DataLoader(data, batch_size=SAMPLES))
+    record = json.loads((tmp_path / "memtenants_oom.json").read_text())
+    messages = [str(w.message) for w in caught if "memtenants" in str(w.message)]
+    return record, (tmp_path / "memtenants_oom.txt").read_text(), messages
+
+
+def test_the_postmortem_and_the_first_warning_give_the_measured_fixes(tmp_path: Any, advice: Any) -> None:
+    record, text, messages = oom_fit(tmp_path, FailsAtStep(), measure_fixes=True)
+    assert record["fixes_kind"] == "measured"
+    # a dry run of a meta copy of the run's module and of its batch: the figures of advise() on a fresh model
+    single_device = [fix for fix in advice.fixes if not fix.name.startswith("FSDP")]  # the run measures no FSDP
+    assert [(f["name"], f["peak_bytes"], f["fits"]) for f in record["fixes"]] == [
+        (fix.name, fix.peak_bytes, fix.fits) for fix in single_device
+    ]
+    assert record["fixes"][0]["action"] == single_device[0].name and "saves_bytes" in record["fixes"][0]
+    assert "fixes, measured by dry runs of the step" in text and "estimated" not in text
+    # the first budget warning (the projected backward of step 0) is followed, when that step is over, by the fixes
+    measured = [m for m in messages if "measured by dry runs of this step" in m]
+    assert len(measured) == 1
+    assert f"{single_device[0].name}: peak {single_device[0].peak_bytes / 2**20:,.2f} MiB, fits" in measured[0]
+    assert messages.index(measured[0]) > next(i for i, m in enumerate(messages) if "over the budget" in m)
+
+
+def test_without_measure_fixes_the_postmortem_says_its_fixes_are_estimates(tmp_path: Any) -> None:
+    record, text, messages = oom_fit(tmp_path, FailsAtStep())
+    assert record["fixes_kind"] == "estimated" and "measure_fixes=True" in record["fixes_note"]
+    assert set(record["fixes"][0]) == {"action", "saves_bytes"}
+    assert "fixes, estimated from the tenants (not measured)" in text
+    assert not [m for m in messages if "measured by dry runs" in m]
+
+
+def test_a_step_that_cannot_be_dry_run_falls_back_to_the_estimates_and_warns_once(tmp_path: Any) -> None:
+    record, text, messages = oom_fit(tmp_path, FailsAtStep(unknowable=True), measure_fixes=True)
+    assert record["fixes_kind"] == "estimated" and "failed" in record["fixes_note"]
+    failed = [m for m in messages if "the fixes by dry runs of the step failed" in m]
+    assert len(failed) == 1 and "cannot be predicted" in failed[0]
+    assert "estimated from the tenants" in text
+
+
+def test_measure_fixes_is_a_flag() -> None:
+    with pytest.raises(ValueError, match="measure_fixes must be True or False"):
+        MemoryTenantsCallback(measure_fixes="yes")  # type: ignore[arg-type]
+
+
+def test_a_lightning_module_given_an_optimizer_factory_gets_the_factory_changed() -> None:
+    """With ``optimizer=``, the dry run uses the factory, not configure_optimizers: the fixes change the factory."""
+    small = Blocks(hidden=(16, 16))
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, foreach=True)
+
+    advice = advise(small, shapes(8), "1GiB", optimizer=adam)
+    fixes = {fix.name: fix for fix in advice.fixes}
+    single = dry_run(small, shapes(8), steps=2, optimizer=torch.optim.Adam)
+    assert fixes["foreach=False"].peak_bytes == max(r.peak_bytes for r in single.reports)  # type: ignore[type-var]
+    assert fixes["foreach=False"].apply is None and "the optimizer factory" in fixes["foreach=False"].how
+    assert "make the optimizer factory return torch.optim.SGD(params" in fixes["SGD with momentum"].how

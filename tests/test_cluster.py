@@ -1,0 +1,252 @@
+"""A cluster predicted in one process: ``dry_run(..., strategy=, world_size=)`` against real gloo runs, rank by rank.
+
+``tests/cluster_script.py`` fits one model under Lightning's DDPStrategy (Adam, then ZeroRedundancyOptimizer)
+and ModelParallelStrategy (FSDP2) on 2 and 4 CPU processes, every step tracked; the prediction runs each rank
+over PyTorch's fake process group in this process. Every figure is compared: each tenant, the allocated
+bytes and the window peak at every phase, the parts, and the step's peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from cluster_script import Blocks
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from lightning_memtenants import dry_run, predict
+from lightning_memtenants.predict.cluster import blocks_of, parallel_of, rank_classes
+
+SCRIPT = Path(__file__).resolve().parent / "cluster_script.py"
+BATCH = (torch.Size([8, 32]),)
+SHAPES = [(64, 32), (64,), (42, 64), (42,), (16, 42), (16,)]  # Blocks' parameters
+P = sum(rows * (cols[0] if cols else 1) for rows, *cols in SHAPES)
+MEMORY = ("allocated_bytes", "window_peak_bytes")
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
+
+
+def launch(n: int, out: Path) -> list[dict[str, list[dict[str, Any]]]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(n), str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [
+        {kind: json.loads((out / f"{kind}_rank{rank}.json").read_text()) for kind in ("ddp", "zero", "fsdp")}
+        for rank in range(n)
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[Any]]:
+    return request.param, launch(request.param, tmp_path_factory.mktemp(f"cluster{request.param}"))
+
+
+def _pairs(prediction: Any, measured: list[Any], kind: str) -> list[tuple[int, Any, dict[str, Any]]]:
+    """(rank, predicted report, measured report): rank 0 every step, the other ranks their last."""
+    pairs = [(0, ours, theirs) for ours, theirs in zip(prediction.reports, measured[0][kind], strict=True)]
+    return pairs + [(rank, prediction.ranks[rank], measured[rank][kind][-1]) for rank in range(1, len(measured))]
+
+
+def _field(report: dict[str, Any], field: str) -> dict[str, Any]:
+    return {phase: values[field] for phase, values in report["phases"].items()}
+
+
+def _shard_bytes(rank: int, n: int) -> int:
+    """Bytes of rank ``rank``'s unpadded fp32 shards: torch.chunk gives ceil(rows / n) rows a rank, the last fewer."""
+    total = 0
+    for rows, *cols in SHAPES:
+        chunk = -(-rows // n)
+        total += 4 * max(0, min(chunk, rows - rank * chunk)) * (cols[0] if cols else 1)
+    return total
+
+
+def _late_frees(prediction: Any, measured: list[Any], kind: str, bound: int) -> tuple[int, int]:
+    """Compare every rank's figures; return (readings exact to the byte, readings).
+
+    The tenants and the parts must be exact. gloo's worker thread sometimes lets go of a finished
+    collective's buffers a moment after the step has moved on, so a real allocated or window-peak reading
+    may be above the prediction, by at most ``bound``, never below it.
+    """
+    exact = readings = 0
+    for rank, ours, theirs in _pairs(prediction, measured, kind):
+        mine = ours.to_dict()
+        for field in ("tenants_bytes", "parts_bytes"):
+            assert _field(mine, field) == _field(theirs, field), (kind, rank, theirs["step"], field)
+        assert ours.measured_fixed_bytes == theirs["measured_fixed_bytes"]
+        for field in MEMORY:
+            for phase, value in _field(mine, field).items():
+                late = _field(theirs, field)[phase] - value
+                assert 0 <= late <= bound, (kind, rank, theirs["step"], phase, field, late)
+                exact += late == 0
+                readings += 1
+        assert 0 <= theirs["peak_bytes"] - ours.peak_bytes <= bound
+    return exact, readings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "zero"])
+def test_ddp_and_zero_predictions_equal_every_rank_of_a_real_run(real: tuple[int, list[Any]], kind: str) -> None:
+    n, measured = real
+    prediction = dry_run(Blocks(zero=kind == "zero"), BATCH, strategy="ddp", world_size=n, steps=3)
+    assert len(prediction.ranks) == n
+    buckets = prediction.report.parts_bytes.get("ddp_buckets")
+    assert buckets == 4 * P  # gradient_as_bucket_view=False: the buckets are a second copy of the fp32 gradients
+    exact, readings = _late_frees(prediction, measured, kind, bound=buckets)
+    assert exact >= 0.9 * readings, (exact, readings)
+    if kind == "zero":  # each rank holds Adam's two moments of its own parameters, as ZeRO partitions them
+        state = [r.phases["batch_end"].tenants_bytes["optimizer_state"] for r in prediction.ranks]
+        assert sum(state) == 8 * P + 4 * len(SHAPES) and len(set(state)) == n
+
+
+@pytest.mark.slow
+def test_fsdp_prediction_equals_every_rank_of_a_real_run(real: tuple[int, list[Any]]) -> None:
+    """FSDP2's collectives free their flat buffers as they finish, so gloo's late frees show most here."""
+    n, measured = real
+    prediction = dry_run(Blocks(fsdp=True), BATCH, strategy="fsdp", world_size=n, steps=3)
+    largest_unit = 4 * n * -(-(64 * 42 + 42) // n)  # the biggest all-gather/reduce-scatter buffer, padded
+    exact, readings = _late_frees(prediction, measured, "fsdp", bound=largest_unit)
+    assert exact >= 0.8 * readings, (exact, readings)
+    for rank, report in enumerate(prediction.ranks):
+        end = report.phases["batch_end"].tenants_bytes
+        assert end["optimizer_state"] == 2 * _shard_bytes(rank, n) + 4 * len(SHAPES)  # Adam's moments and steps
+
+
+def test_predict_gives_rank_zero_and_one_device_is_one_rank() -> None:
+    single = dry_run(Blocks(), BATCH)
+    assert single.ranks == [single.report]
+    zero = predict(Blocks(fsdp=True), BATCH, strategy="fsdp", world_size=2)
+    # FSDP2 pads each rank's shard to ceil(rows / 2) rows: every row count here is even, so it is exactly half
+    assert zero.tenants_bytes["weights"] == 4 * P // 2
+    assert any(note.startswith("rank 0 of FSDP2 (fully_shard) over 2 ranks") for note in zero.notes)
+
+
+def test_uneven_shards_give_the_last_rank_less_optimizer_state() -> None:
+    """42 rows over 4 ranks are 11, 11, 11 and 9. FSDP2 pads every rank's weights and gradients to 11 rows;
+    Adam's moments are made like the unpadded shard, so rank 3 holds less state."""
+    prediction = dry_run(Blocks(fsdp=True), BATCH, strategy="fsdp", world_size=4, steps=2)
+    end = [r.phases["batch_end"].tenants_bytes for r in prediction.ranks]
+    padded = _shard_bytes(0, 4)
+    assert [e["weights"] for e in end] == [e["gradients"] for e in end] == [padded] * 4
+    assert [e["optimizer_state"] for e in end] == [2 * _shard_bytes(rank, 4) + 4 * len(SHAPES) for rank in range(4)]
+    assert _shard_bytes(3, 4) == padded - 4 * 2 * (64 + 1)  # two rows of Linear(64, 42) fewer
+    assert prediction.ranks[0] is prediction.ranks[1] is prediction.ranks[2]  # one dry run for the class
+
+
+def test_a_model_that_shards_nothing_is_sharded_per_block_of_its_longest_module_list() -> None:
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.short = nn.ModuleList([nn.Linear(4, 4)])
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Plain()
+    assert blocks_of(model) == list(model.blocks)
+    report = predict(model, (torch.Size([2, 8]),), loss_fn=lambda m, b: m(b[0]).sum(), strategy="fsdp", world_size=4)
+    assert "per block of its longest ModuleList (3 blocks) and the root" in " ".join(report.notes)
+    # each Linear(8, 8): 2 of its 8 rows (weight and bias) a rank; the root unit holds Linear(4, 4): 1 of 4 rows
+    assert report.phases["batch_start"].tenants_bytes["weights"] == 4 * (3 * (2 * 8 + 2) + (1 * 4 + 1))
+
+
+def test_ranks_with_the_same_shard_sizes_are_one_class() -> None:
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 20))  # 64 rows split evenly over 8; 20: 3,3,3,3,3,3,2,0
+    classes = rank_classes(model, parallel_of("fsdp", 8))
+    assert classes == [[0, 1, 2, 3, 4, 5], [6], [7]]
+    assert rank_classes(model, parallel_of("ddp", 8)) == [list(range(8))]
+
+
+def test_bad_strategy_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="world_size=4 needs a strategy"):
+        predict(Blocks(), BATCH, world_size=4)
+    with pytest.raises(ValueError, match="strategy must be None, 'ddp' or 'fsdp'"):
+        predict(Blocks(), BATCH, strategy="deepspeed", world_size=2)
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        predict(Blocks(), BATCH, strategy="ddp", world_size=0)
+    settings = parallel_of(DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=5), 2)
+    assert settings is not None and settings.gradient_as_bucket_view and settings.bucket_cap_mb == 5
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str]) -> Any:
+    """The command in this process: returns its exit code, stdout and stderr."""
+    from lightning_memtenants.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = int(exit.code or 0)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
+
+
+TARGET = f"{Path(__file__).resolve().parent / 'cluster_script.py'}:Blocks"
+
+
+def test_the_command_predicts_every_rank(cli: Any, tmp_path: Path) -> None:
+    out = tmp_path / "ranks.json"
+    done = cli(
+        "predict", TARGET, "--init", '{"fsdp": true}', "--input-shape", "8,32", "--strategy", "fsdp",
+        "--world-size", "4", "--steps", "2", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = dry_run(Blocks(fsdp=True), BATCH, strategy="fsdp", world_size=4, steps=2)
+    # ranks 0-2 hold the same; rank 3 holds two rows fewer of Linear(64, 42)'s Adam state
+    assert "  ranks 0-2: peak " in done.stdout and "  rank 3: peak " in done.stdout
+    document = json.loads(out.read_text())
+    assert (document["strategy"], document["world_size"]) == ("fsdp", 4)
+    assert [r["peak_bytes"] for r in document["ranks"]] == [r.peak_bytes for r in expected.ranks]
+    assert document["report"]["peak_bytes"] == expected.report.peak_bytes
+
+
+def test_the_command_refuses_a_world_size_without_a_strategy(cli: Any) -> None:
+    done = cli("predict", TARGET, "--input-shape", "8,32", "--world-size", "4")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith("--world-size 4 needs --strategy ddp or --strategy fsdp")
+    done = cli("predict", TARGET, "--input-shape", "8,32", "--strategy", "zero")
+    assert done.returncode == 2 and "--strategy: invalid choice: 'zero'" in done.stderr
+
+
+def test_the_callers_process_group_is_never_touched() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        with pytest.raises(ValueError, match="strategy: this process already has a torch\\.distributed process group"):
+            predict(Blocks(), BATCH, strategy="ddp", world_size=2)
+        assert dist.is_initialized() and dist.group.WORLD is group and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failing_step_leaves_no_fake_group_behind() -> None:
+    class Failing(Blocks):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise RuntimeError("the user's own error")
+
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        predict(Failing(fsdp=True), BATCH, strategy="fsdp", world_size=2)
+    assert not dist.is_initialized()
