@@ -235,3 +235,21 @@ def assert_equals_the_real_run(predicted: Any, real: dict[str, Any]) -> None:
     assert predicted.peak_bytes == report["peak_bytes"]
     assert predicted.peak_phase == report["peak_phase"]
     assert predicted.expected_fixed_bytes == report["expected_fixed_bytes"]
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str]) -> Any:
+    """The command in this process (a new one costs seconds of imports): returns code, stdout and stderr."""
+    import subprocess
+
+    from lightning_memtenants.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = int(exit.code or 0)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_memtenants import StepReport, dry_run, predict
-from lightning_memtenants.cli import build_parser, main
+from lightning_memtenants.cli import build_parser
 from lightning_memtenants.names import PARTS, TENANTS
 from lightning_memtenants.render.table import step_table
 
@@ -23,21 +23,6 @@ def memtenants(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         [sys.executable, "-m", "lightning_memtenants", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
-
-
-@pytest.fixture()
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    """The command in this process (a new one costs seconds of imports): returns code, stdout and stderr."""
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = int(exit.code or 0)
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-    return run
 
 
 @pytest.mark.slow

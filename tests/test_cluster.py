@@ -188,22 +188,6 @@ def test_bad_strategy_arguments_are_named() -> None:
     assert settings is not None and settings.gradient_as_bucket_view and settings.bucket_cap_mb == 5
 
 
-@pytest.fixture()
-def cli(capsys: pytest.CaptureFixture[str]) -> Any:
-    """The command in this process: returns its exit code, stdout and stderr."""
-    from lightning_memtenants.cli import main
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = int(exit.code or 0)
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-    return run
-
-
 TARGET = f"{Path(__file__).resolve().parent / 'cluster_script.py'}:Blocks"
 
 

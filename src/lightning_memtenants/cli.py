@@ -281,15 +281,20 @@ def _predict(args: argparse.Namespace) -> int:
                 {"rank": rank, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase, "tenants_bytes": r.tenants_bytes}
                 for rank, r in enumerate(prediction.ranks)
             ]
-        text = json.dumps(document, indent=2)
-        if json_path is None:
-            print(text, flush=True)
-        else:
-            try:
-                json_path.write_text(text + "\n")
-            except OSError as error:
-                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
+        _write_json(document, json_path)
     return 0
+
+
+def _write_json(document: dict[str, Any], path: Path | None) -> None:
+    """The command's JSON: to ``path``, or alone on stdout where ``--json -`` (``path`` None) asked for it."""
+    text = json.dumps(document, indent=2)
+    if path is None:
+        print(text, flush=True)
+        return
+    try:
+        path.write_text(text + "\n")
+    except OSError as error:
+        raise UsageError(f"--json: cannot write {path}: {error.strerror or error}") from None
 
 
 def _ranks_text(ranks: Sequence[Any]) -> str:
@@ -738,14 +743,7 @@ def _advise(args: argparse.Namespace) -> int:
             ],
             "notes": advice.notes,
         }
-        text = json.dumps(document, indent=2)
-        if json_path is None:
-            print(text, flush=True)
-        else:
-            try:
-                json_path.write_text(text + "\n")
-            except OSError as error:
-                raise UsageError(f"--json: cannot write {json_path}: {error.strerror or error}") from None
+        _write_json(document, json_path)
     return 0
 
 
