@@ -259,12 +259,7 @@ def _predict(args: argparse.Namespace) -> int:
         )
     if args.json is not None:
         document = {
-            "target": args.target,
-            "batch_size": batch_size,
-            "seq_len": args.seq_len,
-            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
-            "precision": args.precision,
-            "device": device,
+            **_step_fields(args, batch_size, shapes, device),
             "gpu": gpu if gpu is not None or gpu_target is None else gpu_target.name,
             "gpu_assumed": gpu_target is not None and gpu is None,
             "budget_bytes": budget,
@@ -283,6 +278,18 @@ def _predict(args: argparse.Namespace) -> int:
             ]
         _write_json(document, json_path)
     return 0
+
+
+def _step_fields(args: argparse.Namespace, batch_size: int, shapes: list[Shape] | None, device: str) -> dict[str, Any]:
+    """What both commands' JSON says of the step asked for: the target, the batch, the precision, the device."""
+    return {
+        "target": args.target,
+        "batch_size": batch_size,
+        "seq_len": args.seq_len,
+        "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
+        "precision": args.precision,
+        "device": device,
+    }
 
 
 def _write_json(document: dict[str, Any], path: Path | None) -> None:
@@ -713,12 +720,7 @@ def _advise(args: argparse.Namespace) -> int:
         print(f"not tried: {note}", file=out)
     if args.json is not None:
         document = {
-            "target": args.target,
-            "batch_size": batch_size,
-            "seq_len": args.seq_len,
-            "input_shapes": None if shapes is None else [_shape_text(s) for s in shapes],
-            "precision": args.precision,
-            "device": device,
+            **_step_fields(args, batch_size, shapes, device),
             "gpu": None if gpu_target is None else gpu_target.name,
             "accumulate_grad_batches": args.accumulate_grad_batches,
             "fsdp_ranks": list(args.fsdp_ranks or ()),
@@ -727,20 +729,7 @@ def _advise(args: argparse.Namespace) -> int:
             "limit_bytes": advice.limit_bytes,
             "baseline_peak_bytes": advice.baseline_peak_bytes,
             "fits": advice.fits,
-            "fixes": [
-                {
-                    "name": fix.name,
-                    "peak_bytes": fix.peak_bytes,
-                    "saves_bytes": fix.saves_bytes,
-                    "fits": fix.fits,
-                    "trainer_kwargs": fix.trainer_kwargs,
-                    "batch_size": fix.batch_size,
-                    "applies_to_the_module": fix.apply is not None,
-                    "changes_training": fix.changes_training,
-                    "how": fix.how,
-                }
-                for fix in advice.fixes
-            ],
+            "fixes": [{**fix.to_dict(), "applies_to_the_module": fix.apply is not None} for fix in advice.fixes],
             "notes": advice.notes,
         }
         _write_json(document, json_path)

@@ -38,19 +38,7 @@ def measured_rows(advice: Any) -> list[dict[str, Any]]:
         One dict per fix: ``name``, ``peak_bytes``, ``saves_bytes``, ``fits``, ``trainer_kwargs``, ``batch_size``,
         ``changes_training`` and ``how``.
     """
-    return [
-        {
-            "name": fix.name,
-            "peak_bytes": fix.peak_bytes,
-            "saves_bytes": fix.saves_bytes,
-            "fits": fix.fits,
-            "trainer_kwargs": fix.trainer_kwargs,
-            "batch_size": fix.batch_size,
-            "changes_training": fix.changes_training,
-            "how": fix.how,
-        }
-        for fix in advice.fixes
-    ]
+    return [fix.to_dict() for fix in advice.fixes]
 
 
 class Postmortem:

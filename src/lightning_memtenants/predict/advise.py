@@ -23,6 +23,7 @@ from lightning_memtenants._private import FakeTensor, TorchDispatchMode
 from lightning_memtenants.analysis.forecast import limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors, storage_key
+from lightning_memtenants.predict.cluster import named_blocks
 from lightning_memtenants.predict.dryrun import DEFAULTS, ModelArg, Prediction, PredictOptions, _frozen
 from lightning_memtenants.predict.fake import check_precision
 from lightning_memtenants.units import parse_bytes
@@ -68,6 +69,24 @@ class MeasuredFix:
     apply: Callable[[nn.Module], None] | None
     how: str
     changes_training: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fix as JSON holds it (the command's, the postmortem's): every field but ``apply``, a callable.
+
+        Returns:
+            ``name``, ``peak_bytes``, ``saves_bytes``, ``fits``, ``trainer_kwargs``, ``batch_size``,
+            ``changes_training`` and ``how``.
+        """
+        return {
+            "name": self.name,
+            "peak_bytes": self.peak_bytes,
+            "saves_bytes": self.saves_bytes,
+            "fits": self.fits,
+            "trainer_kwargs": self.trainer_kwargs,
+            "batch_size": self.batch_size,
+            "changes_training": self.changes_training,
+            "how": self.how,
+        }
 
 
 @dataclass(frozen=True)
@@ -453,10 +472,9 @@ def _map_optimizers(returned: Any, fn: Callable[[Optimizer], Optimizer]) -> Any:
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks to checkpoint: the children of the longest ``nn.ModuleList``, else the top-level children (a lone
     child stands for its own children)."""
-    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if lists:
-        name, longest = max(lists, key=lambda item: len(item[1]))
-        return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(longest)]
+    listed = named_blocks(module)
+    if listed:
+        return listed
     prefix, current = "", module
     while True:
         children = list(current.named_children())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_memtenants._private import (
@@ -26,6 +27,7 @@ from lightning_memtenants._private import (
     reduce_scatter_operator,
     set_device_mesh,
 )
+from lightning_memtenants.analysis.engines import is_dtensor
 from lightning_memtenants.checks import brief
 
 STRATEGIES = ("ddp", "fsdp")
@@ -131,20 +133,34 @@ def fake_group(world_size: int, rank: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def blocks_of(module: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP shards one by one where the model shards nothing itself: its longest ``ModuleList``'s.
+def named_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A model's blocks by path: the children of its longest ``nn.ModuleList`` (the first, where two are as long).
+
+    The one rule for "the model's blocks": FSDP shards them one by one, and the advisor checkpoints them.
 
     Args:
         module: the model.
 
     Returns:
-        The children of the longest ``nn.ModuleList`` (the first, where two are as long), or none.
+        ``(path, block)`` pairs (``"blocks.0"``), or none where the model has no ``ModuleList``.
     """
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         return []
-    longest = max(lists, key=len)
-    return list(longest)
+    name, longest = max(lists, key=lambda item: len(item[1]))
+    return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(longest)]
+
+
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP shards one by one where the model shards nothing itself (see :func:`named_blocks`).
+
+    Args:
+        module: the model.
+
+    Returns:
+        The children of the longest ``nn.ModuleList``, or none.
+    """
+    return [block for _, block in named_blocks(module)]
 
 
 def shard(module: nn.Module, mesh: Any, *, lightning: bool) -> str:
@@ -163,11 +179,10 @@ def shard(module: nn.Module, mesh: Any, *, lightning: bool) -> str:
     """
     from torch.distributed.fsdp import fully_shard
 
-    own = _own_configure_model(module) if lightning else None
-    if own is not None:
+    if lightning and is_overridden("configure_model", module):  # Lightning's own test, as ModelParallelStrategy's
         set_device_mesh(module, mesh)  # what ModelParallelStrategy hands the hook
-        own()
-        if not any(_is_dtensor(p) for p in module.parameters()):
+        module.configure_model()  # type: ignore[operator]
+        if not any(is_dtensor(p) for p in module.parameters()):
             raise ValueError(
                 "strategy='fsdp': the model's configure_model() applied no fully_shard; shard it there, as"
                 " Lightning's ModelParallelStrategy requires, or remove configure_model to shard per block"
@@ -181,26 +196,6 @@ def shard(module: nn.Module, mesh: Any, *, lightning: bool) -> str:
     if blocks:
         return f"sharded with fully_shard per block of its longest ModuleList ({len(blocks)} blocks) and the root"
     return "sharded with fully_shard as one unit (the model has no ModuleList of blocks)"
-
-
-def _own_configure_model(module: nn.Module) -> Any:
-    """The module's ``configure_model`` where its class overrides Lightning's empty one, else None."""
-    method = getattr(type(module), "configure_model", None)
-    if method is None:
-        return None
-    try:
-        from lightning.pytorch.core.hooks import ModelHooks
-    except ImportError:  # pragma: no cover - Lightning is a dependency
-        return None
-    if method is getattr(ModelHooks, "configure_model", None):
-        return None
-    return module.configure_model
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def rank_classes(module: nn.Module, parallel: Parallel, optimizers: Sequence[Any] = ()) -> list[list[int]]:
