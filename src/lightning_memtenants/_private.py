@@ -35,6 +35,8 @@ __all__ = [
     "default_foreach",
     "dump_snapshot",
     "fake_process_group",
+    "global_modes",
+    "hidden_from_function_modes",
     "inner_tensors",
     "is_mock_optimizer",
     "is_traceable_wrapper_subclass",
@@ -46,6 +48,7 @@ __all__ = [
     "reduce_scatter_operator",
     "scaler_tensors",
     "set_device_mesh",
+    "show_in_progress_bar",
     "tensor_factories",
     "unset_fake",
 ]
@@ -264,6 +267,87 @@ class mode_stack:
         dispatch.set_is_in_mode_without_ignore_compile_internals(without_ignore)
 
 
+class global_modes:
+    """Every stack of modes and hooks that torch keeps per thread, read whole and put back whole.
+
+    A dry run must leave the caller's process as it found it; torch reads its dispatch-mode stack (user modes and
+    the infra modes, ``FakeTensorMode`` among them), its function-mode stack and its stack of default saved-tensor
+    hooks one entry at a time through private calls only, and offers no public way to put a stack back.
+    """
+
+    @staticmethod
+    def dispatch() -> list[Any]:
+        """The dispatch modes, bottom first (infra modes included, as torch's logical stack holds them)."""
+        return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+
+    @staticmethod
+    def function() -> list[Any]:
+        """The ``TorchFunctionMode`` stack (``torch.device`` as a context is one), bottom first."""
+        return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+    @staticmethod
+    def flags() -> tuple[bool, bool, bool]:
+        """torch's "a dispatch mode is active" flags, which each mode's ``__exit__`` sets back."""
+        import torch.utils._python_dispatch as dispatch
+
+        return (
+            bool(dispatch._is_in_torch_dispatch_mode),
+            bool(dispatch._is_in_non_infra_torch_dispatch_mode),
+            bool(dispatch._is_in_any_mode_without_ignore_compile_internals),
+        )
+
+    @staticmethod
+    def saved_tensors_hooks() -> list[tuple[Any, Any]]:
+        """The default saved-tensor hooks, bottom first: the stack is emptied to be read, and refilled."""
+        hooks: list[tuple[Any, Any]] = []
+        while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+            hooks.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        hooks.reverse()
+        for pack, unpack in hooks:
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        return hooks
+
+    @staticmethod
+    def restore(
+        dispatch: list[Any],
+        function: list[Any],
+        flags: tuple[bool, bool, bool],
+        hooks: list[tuple[Any, Any]],
+    ) -> None:
+        """Put every stack back as read; a stack already as it was is not touched.
+
+        Args:
+            dispatch: what :meth:`dispatch` read.
+            function: what :meth:`function` read.
+            flags: what :meth:`flags` read.
+            hooks: what :meth:`saved_tensors_hooks` read.
+        """
+        if not _same(global_modes.dispatch(), dispatch):
+            while torch._C._len_torch_dispatch_stack():
+                torch._C._pop_torch_dispatch_stack(None)
+            for mode in dispatch:
+                torch._C._push_on_torch_dispatch_stack(mode)
+        if not _same(global_modes.function(), function):
+            while torch._C._len_torch_function_stack():
+                torch._C._pop_torch_function_stack()
+            for mode in function:
+                torch._C._push_on_torch_function_stack(mode)
+        if global_modes.flags() != flags:
+            mode_stack.set_flags(*flags)
+        now = global_modes.saved_tensors_hooks()
+        if len(now) != len(hooks) or any(a is not b or c is not d for (a, c), (b, d) in zip(now, hooks, strict=True)):
+            for _ in now:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            for pack, unpack in hooks:
+                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _same(now: list[Any], then: list[Any]) -> bool:
+    """Whether two readings of a stack hold the very same modes, in the same order."""
+    return len(now) == len(then) and all(a is b for a, b in zip(now, then, strict=True))
+
+
 def unset_fake() -> Any:
     """A context in which the active ``FakeTensorMode`` is off, every other mode still on (``unset_fake_temporarily``).
 
@@ -308,6 +392,41 @@ def real_as_fake(mode: Any, tensor: Tensor) -> Tensor:
 
 
 # -- Lightning ---------------------------------------------------------------------------------
+
+
+def hidden_from_function_modes() -> Any:
+    """A context in which torch function modes and subclass overrides are off (``torch._C.DisableTorchFunction``).
+
+    The census reads sizes, storages and gradients through tensor methods (``numel``, ``untyped_storage``, ``.grad``),
+    which a user's ``TorchFunctionMode`` around ``fit`` would otherwise see; torch has no public way to call them
+    unseen.
+
+    Returns:
+        The context manager.
+    """
+    return torch._C.DisableTorchFunction()
+
+
+def show_in_progress_bar(trainer: Any, name: str, value: float) -> bool:
+    """Put ``value`` in the progress bar's metrics under ``name``, as a Python float.
+
+    ``LightningModule.log(..., prog_bar=True)`` would make a tensor of it and ``.item()`` it at every refresh:
+    operators a user's dispatch mode would see. Lightning's bars read ``trainer.progress_bar_metrics``, the logger
+    connector's ``_progress_bar_metrics`` dict, which has no public setter.
+
+    Args:
+        trainer: the Trainer.
+        name: the metric's name.
+        value: its value.
+
+    Returns:
+        True where the value was set; False where this Lightning keeps no such dict.
+    """
+    metrics = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
+    if not isinstance(metrics, dict):
+        return False
+    metrics[name] = float(value)
+    return True
 
 
 def batches_that_stepped(trainer: Any) -> int:

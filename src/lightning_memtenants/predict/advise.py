@@ -24,8 +24,8 @@ from lightning_memtenants.analysis.forecast import limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors, storage_key
 from lightning_memtenants.predict.cluster import named_blocks
-from lightning_memtenants.predict.dryrun import DEFAULTS, ModelArg, Prediction, PredictOptions, _frozen
-from lightning_memtenants.predict.fake import check_precision
+from lightning_memtenants.predict.dryrun import DEFAULTS, ModelArg, Prediction, PredictOptions, _frozen, batch_at
+from lightning_memtenants.predict.fake import check_precision, preserving_globals
 from lightning_memtenants.units import parse_bytes
 
 # The names of the candidates, as ``MeasuredFix.name`` starts with them.
@@ -55,7 +55,8 @@ class MeasuredFix:
         batch_size: the micro-batch the fix assumes (the ``DataLoader``'s ``batch_size``), or None for the batch
             as given.
         apply: changes a LightningModule in place (wraps blocks in checkpointing, changes the optimizers that
-            ``configure_optimizers`` returns), or None where the fix needs no change to the module.
+            ``configure_optimizers`` returns), or None where the fix needs no change to the module;
+            ``apply(module)`` raises ValueError naming ``module`` for anything but an ``nn.Module``.
         how: one sentence of the code the user writes.
         changes_training: the fix changes what training computes (another optimizer), not only its memory.
     """
@@ -117,6 +118,7 @@ class Advice:
         return self.baseline_peak_bytes <= self.limit_bytes
 
 
+@preserving_globals
 def advise(
     model: ModelArg,
     batch: Any,
@@ -138,10 +140,19 @@ def advise(
     checkpointing and the micro-batch. Where the baseline fits already, each
     candidate shows what it would save: checkpointing every block, half the micro-batch.
 
+    The user's step runs under fake tensors, once per candidate and size tried: what it does that reads no tensor
+    value runs again each time (a ``print``, a counter, a line written to a log file). The caller's objects are
+    not changed: every dry run steps a copy of the model whose tensors are fakes and whose containers (lists,
+    dicts) are copies, and a fix is applied to that copy; other objects the model holds (a numpy array, a
+    Dataset) are shared, not copied, and left as they are unless the step itself changes them. The random
+    generators, the modes, the saved-tensor hooks, the default dtype, grad mode, autocast and the deterministic
+    flag are as they were on return. Only ``fix.apply(model)``, called by the user, changes a module.
+
     Args:
         model: as for :func:`~lightning_memtenants.predict.dryrun.predict`; never changed.
         batch: as for ``predict``: the batch of one step (its leading size is the batch size).
-        budget_bytes: the memory a step may use: bytes, or a string like ``"24GiB"``.
+        budget_bytes: the memory a step may use: a positive number of bytes (at least 1), or a string like
+            ``"24GiB"``, as the callback's ``budget_bytes``.
         margin: the fraction of ``budget_bytes`` kept free, in [0, 1) (default 5%, as ``largest_batch_size``).
         make_batch: builds the batch for a batch size, for the micro-batch candidates; by default the given
             batch's tensors are cut along their leading size (a callable ``batch`` then has no micro-batch).
@@ -165,8 +176,8 @@ def advise(
         for fix in advice.fixes:
             print(fix.name, fix.peak_bytes, fix.fits, fix.how)
     """
-    limit = limit_bytes(budget_bytes, margin)
-    total = budget_bytes if isinstance(budget_bytes, int) else parse_bytes(budget_bytes, "budget_bytes")
+    total = parse_bytes(budget_bytes, "budget_bytes")  # the callback's rule and message
+    limit = limit_bytes(total, margin)
     if make_batch is not None and not callable(make_batch):
         raise ValueError(
             f"make_batch must be None or a callable make_batch(batch_size) -> batch, got {brief(make_batch)}"
@@ -345,7 +356,7 @@ class _Runner:
     def micro_batch(self, size: int) -> Any:
         """The batch at ``size`` samples: ``make_batch(size)``, else the given batch cut along its leading size."""
         if self.make_batch is not None:
-            return self.make_batch(size)
+            return batch_at(self.make_batch, size)
         return _resized(self.batch, self.samples, size)
 
     def rank_blocks(self) -> None:
@@ -414,8 +425,12 @@ def checkpoint_blocks(module: nn.Module, names: Sequence[str]) -> None:
         names: the blocks' names in ``module.named_modules()``, e.g. ``"blocks.3"``.
 
     Raises:
-        ValueError: if ``module`` has no submodule of one of the names.
+        ValueError: naming ``module`` if it is not an ``nn.Module``, ``names`` if it is not a list of names, or a
+            name ``module`` has no submodule of.
     """
+    _check_module(module)
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names must be a list of block names such as ['blocks.0'], got {brief(names)}")
     for name in names:
         try:
             block = module.get_submodule(name)
@@ -431,6 +446,7 @@ def _module_change(
     """What a fix does to a module: checkpoint ``blocks``, and change the optimizers ``configure_optimizers`` makes."""
 
     def apply(module: nn.Module) -> None:
+        _check_module(module)
         checkpoint_blocks(module, blocks)
         if change is None:
             return
@@ -443,6 +459,15 @@ def _module_change(
         module.configure_optimizers = functools.partial(_changed_optimizers, configure, change, dry)  # type: ignore[method-assign]
 
     return apply
+
+
+def _check_module(module: Any) -> None:
+    """Every fix's ``apply`` takes the model: one clear error for anything else (``None``, the Trainer, a batch)."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(
+            f"module must be the model to fix, an nn.Module (a LightningModule), got {brief(module)}; call"
+            " fix.apply(model) before trainer.fit(model)"
+        )
 
 
 def _changed_optimizers(configure: Callable[[], Any], change: _OptimizerChange, dry: bool) -> Any:

@@ -29,6 +29,7 @@ from lightning_memtenants._private import (
 )
 from lightning_memtenants.analysis.engines import is_dtensor
 from lightning_memtenants.checks import brief
+from lightning_memtenants.predict.fake import preserved_globals
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -108,6 +109,9 @@ def parallel_of(strategy: Any, world_size: Any) -> Parallel | None:
 def fake_group(world_size: int, rank: int) -> Iterator[Any]:
     """This process as ``rank`` of ``world_size`` over PyTorch's fake process group, torn down on leaving.
 
+    The process's global state (Python's ``random``, from which the fake collectives draw their work ids, and the
+    rest of :func:`~lightning_memtenants.predict.fake.preserved_globals`) is as it was on leaving.
+
     Args:
         world_size: the ranks.
         rank: the rank this process plays.
@@ -126,11 +130,12 @@ def fake_group(world_size: int, rank: int) -> Iterator[Any]:
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    fake_process_group(rank, world_size)
-    try:
-        yield init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    finally:
-        dist.destroy_process_group()
+    with preserved_globals():  # the fake collectives draw their work ids from Python's random: put back on leaving
+        fake_process_group(rank, world_size)
+        try:
+            yield init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        finally:
+            dist.destroy_process_group()
 
 
 def named_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:

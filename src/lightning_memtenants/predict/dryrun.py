@@ -61,9 +61,12 @@ from lightning_memtenants.predict.fake import (
     fake_module,
     fake_session,
     forward_context,
+    preserved_globals,
+    preserving_globals,
 )
 from lightning_memtenants.predict.kernels import cpu_kernels
 from lightning_memtenants.predict.values import KnownValues, is_unknown_value, unknown_value_error
+from lightning_memtenants.units import parse_bytes
 
 # The plain device names ``target`` takes; it also takes a GPU by name or compute capability (``resolve_target``).
 TARGETS = ("cpu", "cuda")
@@ -172,12 +175,21 @@ class Prediction:
         return found
 
 
+@preserving_globals
 def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions]) -> StepReport:
     """The memory report of a training step, predicted under fake tensors with no real memory.
 
     A step run on fake tensors allocates nothing, so a model too big for this machine, or a GPU
     this machine does not have, can be planned for before renting one. This is :func:`dry_run`'s
     last report.
+
+    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
+    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
+    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
+    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
+    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
+    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
+    autocast and the deterministic flag are as they were on return.
 
     Args:
         model: a LightningModule (its own ``training_step`` and ``configure_optimizers`` run), a
@@ -207,11 +219,20 @@ def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
     return dry_run(model, batch, **options).report
 
 
+@preserving_globals
 def dry_run(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions]) -> Prediction:
     """Run the user's training step under fake tensors, measured by the same monitor as in training.
 
     The one implementation behind :func:`predict`, :func:`sweep` and :func:`largest_batch_size`;
     call it for every step's report and the assumptions made on the way.
+
+    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
+    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
+    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
+    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
+    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
+    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
+    autocast and the deterministic flag are as they were on return.
 
     Args:
         model: as for :func:`predict`.
@@ -249,7 +270,10 @@ def _frozen(
     if frozen:
         gc.freeze()
     try:
-        with hidden_saved_tensors_hooks():  # the caller's own hooks are not called on our fake tensors
+        # every dry run leaves the process's global state as it found it (a later answer of sweep's forecast too);
+        # the caller's own saved-tensor hooks are not called on our fake tensors; a step trains with grad on, as
+        # Lightning's fit loop turns it on, whatever the caller's mode
+        with preserved_globals(), hidden_saved_tensors_hooks(), torch.enable_grad():
             return _dry_run(model, batch, options, timeline, prepare)
     finally:
         if frozen:
@@ -444,6 +468,7 @@ def _clearing(forward: Callable[[], Any], kernels: CudaKernels) -> Callable[[], 
     return context
 
 
+@preserving_globals
 def sweep(
     model: ModelArg,
     make_batch: Callable[[int], Any],
@@ -457,6 +482,14 @@ def sweep(
     ``make_batch``, so that ``forecast.max_batch_size`` is :func:`largest_batch_size`'s answer (the
     line only seeds the search) and ``forecast.predict_peak_bytes`` a dry run at that size.
 
+    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
+    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
+    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
+    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
+    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
+    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
+    autocast and the deterministic flag are as they were on return (and after each of the forecast's later dry runs).
+
     Args:
         model: as for :func:`predict`.
         make_batch: builds the batch for a batch size, as :func:`predict` takes it.
@@ -468,13 +501,15 @@ def sweep(
         The fitted forecast, and each size's prediction in order.
 
     Raises:
-        ValueError: if ``batch_sizes`` is empty or holds anything but positive integers, or as :func:`dry_run`.
+        ValueError: if ``make_batch`` is not a callable of the batch size that returns a batch, ``batch_sizes``
+            is empty or holds anything but positive integers, or as :func:`dry_run`.
 
     Example::
 
         forecast, _ = sweep(SeedMLP(), lambda b: (torch.Size([b, 1024]),), (256, 512))
         forecast.max_batch_size("24GiB")  # 24 GiB less a 5% margin, as largest_batch_size answers
     """
+    check_make_batch(make_batch)
     if len(batch_sizes) < 1 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
     options = {"steps": 2, **options}  # type: ignore[assignment]
@@ -482,7 +517,7 @@ def sweep(
     predictions = []
     exact = _DryRunPeaks(model, make_batch, options, UNBOUNDED)
     for size in batch_sizes:
-        prediction = dry_run(model, make_batch(size), **options)
+        prediction = dry_run(model, batch_at(make_batch, size), **options)
         forecast.observe(prediction.report, prediction.batch_elements, prediction.batch_bytes, size)
         exact.seen[size] = prediction.report.peak_bytes or 0
         exact.elements_per_sample = prediction.batch_elements / size
@@ -491,6 +526,7 @@ def sweep(
     return forecast, predictions
 
 
+@preserving_globals
 def largest_batch_size(
     model: ModelArg,
     make_batch: Callable[[int], Any],
@@ -512,6 +548,14 @@ def largest_batch_size(
     fits and one more sample does not (halving where a step says nothing). Each size is one dry run;
     from a good ``start`` the answer takes two to four.
 
+    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
+    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
+    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
+    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
+    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
+    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
+    autocast and the deterministic flag are as they were on return.
+
     Args:
         model: as for :func:`predict`.
         make_batch: builds the batch for a batch size, as :func:`predict` takes it.
@@ -529,15 +573,77 @@ def largest_batch_size(
         batch of 1 does not fit.
 
     Raises:
-        ValueError: if ``budget_bytes`` is not a number of bytes or such a string, ``margin`` not in [0, 1),
-            ``start`` or ``limit`` not a positive integer, or as :func:`dry_run`.
+        ValueError: if ``make_batch`` is not a callable of the batch size that returns a batch, ``budget_bytes``
+            not a positive number of bytes (at least 1) or such a string (as the callback's), ``margin`` not in
+            [0, 1), ``start`` or ``limit`` not a positive integer, or as :func:`dry_run`.
     """
-    budget = limit_bytes(budget_bytes, margin)
+    check_make_batch(make_batch)
+    budget = limit_bytes(parse_bytes(budget_bytes, "budget_bytes"), margin)
     for name, value in (("start", start), ("limit", limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     options = {"steps": 2, **options}  # type: ignore[assignment]
     return _DryRunPeaks(model, make_batch, options, limit).largest(budget, start)
+
+
+MAKE_BATCH = "make_batch must be a callable of the batch size that returns a batch (as predict takes it)"
+
+
+def check_make_batch(make_batch: Any) -> None:
+    """``make_batch`` checked before any dry run: a callable, as :func:`sweep` and :func:`largest_batch_size` take.
+
+    A batch itself (a tuple of tensors or shapes) where the callable belongs is the usual slip: it is named here,
+    not at its first call.
+
+    Args:
+        make_batch: what the caller gave.
+
+    Raises:
+        ValueError: naming ``make_batch`` and what it accepts.
+    """
+    if not callable(make_batch):
+        hint = " (a batch itself? write lambda n: ... of the batch size n)" if _holds_batch(make_batch) else ""
+        raise ValueError(f"{MAKE_BATCH}, got {brief(make_batch)}{hint}")
+
+
+def batch_at(make_batch: Callable[[int], Any], size: int) -> Any:
+    """``make_batch(size)``, with one clear error where ``make_batch`` cannot be called so or returns no batch.
+
+    A ``TypeError`` raised by the call itself (``tuple(8)``, a callable of no argument) is the caller's
+    ``make_batch``, not its body; one raised inside the body is the caller's own error and goes through as it is.
+
+    Args:
+        make_batch: a callable of the batch size.
+        size: the batch size.
+
+    Returns:
+        The batch, as :func:`predict` takes it.
+
+    Raises:
+        ValueError: naming ``make_batch``, where the call fails so or the result holds no tensor or shape.
+    """
+    try:
+        batch = make_batch(size)
+    except TypeError as error:
+        if error.__traceback__ is not None and error.__traceback__.tb_next is None:
+            raise ValueError(f"{MAKE_BATCH}, but make_batch({size}) raised TypeError: {error}") from None
+        raise
+    if not callable(batch) and not _holds_batch(batch):
+        raise ValueError(f"{MAKE_BATCH}, but make_batch({size}) returned {brief(batch)}, which holds no tensor")
+    return batch
+
+
+def _holds_batch(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` holds a tensor or a ``torch.Size`` in any nesting of lists, tuples and dicts."""
+    if isinstance(value, (Tensor, torch.Size)):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_batch(item, depth + 1) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_batch(item, depth + 1) for item in value)
+    return bool(batch_tensors(value))
 
 
 class _DryRunPeaks:
@@ -551,7 +657,7 @@ class _DryRunPeaks:
     def peak_bytes(self, batch_size: int) -> int:
         if batch_size not in self.seen:
             # the search reads only the peak: no timeline is recorded (it would change no figure)
-            prediction = _frozen(self.model, self.make_batch(batch_size), self.options, timeline=False)
+            prediction = _frozen(self.model, batch_at(self.make_batch, batch_size), self.options, timeline=False)
             self.seen[batch_size] = prediction.report.peak_bytes or 0
         return self.seen[batch_size]
 
@@ -663,11 +769,13 @@ def _gpu_target(target: Any, gpu: Any) -> CudaTarget | None:
 
 
 def _outside_level() -> int:
-    """The ``stacklevel`` that points a warning, given by this function's caller, at the first line outside here."""
+    """The ``stacklevel`` that points a warning, given by this function's caller, at the first line outside the
+    package's prediction modules (this one, and ``fake``'s wrapper of the entry points)."""
     frame = inspect.currentframe()
     frame = frame.f_back if frame is not None else None  # the caller, level 1
     level = 1
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    inside = (__name__, preserving_globals.__module__)
+    while frame is not None and frame.f_globals.get("__name__") in inside:
         frame, level = frame.f_back, level + 1
     return level
 

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import inspect
 import logging
+import random
+import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_memtenants._private import FakeTensor, FakeTensorMode, ShapeEnv, unset_fake
+from lightning_memtenants._private import FakeTensor, FakeTensorMode, ShapeEnv, global_modes, unset_fake
 from lightning_memtenants.checks import brief, one_of
 from lightning_memtenants.core.storage import batch_tensors
 from lightning_memtenants.predict.values import (
@@ -91,9 +96,11 @@ def fake_session() -> Iterator[Any]:
 def fake_module(
     model: ModelArg, mode: Any, dtype: torch.dtype | None = None, notes: list[str] | None = None
 ) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake; tied tensors stay tied.
+    """A copy of ``model`` whose every tensor is fake; tied tensors stay tied; other objects are shared.
 
-    The user's model is never touched: a prediction steps its copy, which costs no memory.
+    The user's model is never touched: a prediction steps its copy, which costs no memory. The copy is
+    :func:`copy_module`'s: parameters, buffers and the tensors kept in attributes (``example_input_array``, a
+    list of outputs) are fakes, containers are copied, anything else (a numpy table, a Dataset) is shared.
 
     Args:
         model: the module to copy, or a zero-argument callable that builds one (under the fake mode).
@@ -116,29 +123,217 @@ def fake_module(
         else:  # built with constants computed for real: their tensors are made fake below
             model, built = built, None
     if model is not None:
-        memo: dict[int, Any] = {}
-        for tensor in (*model.parameters(), *model.buffers()):
-            if id(tensor) not in memo:
-                # a model built on the meta device has shapes and no memory: its fakes are CPU tensors like the rest
-                plain = tensor.detach()
-                fake = torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype) if plain.is_meta else None
-                if isinstance(tensor, FakeTensor):
-                    memo[id(tensor)] = tensor
-                    continue
-                fake = mode.from_tensor(plain) if fake is None else fake
-                if isinstance(tensor, nn.Parameter):
-                    fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-                memo[id(tensor)] = fake
-        for module in model.modules():
-            for name in ("_trainer", "_fabric"):
-                attached = module.__dict__.get(name)
-                if attached is not None:
-                    memo[id(attached)] = None
-        built = copy.deepcopy(model, memo)
+
+        def fake(tensor: Tensor) -> Tensor:
+            if isinstance(tensor, FakeTensor):
+                return tensor
+            plain = tensor.detach()
+            if plain.is_meta:  # a model built on the meta device has shapes and no memory: its fakes are CPU tensors
+                return torch.empty_strided(plain.shape, plain.stride(), dtype=plain.dtype)
+            return mode.from_tensor(plain)
+
+        built = copy_module(model, fake)
     assert built is not None
     if dtype is not None:
         _cast(built, dtype)
     return built
+
+
+# The containers a copy of a module copies (so that what a dry run appends to them never reaches the caller's):
+# the builtin ones and their subclasses (nn.Module keeps its hooks in OrderedDicts), and dataclass instances.
+CONTAINERS = (list, tuple, dict, set, frozenset)
+# Objects deepcopy copies without a memo entry anyway, immutable, left out of the memo.
+_ATOMIC = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type,
+    range,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+)
+
+
+def copy_module(model: nn.Module, stand_in: Callable[[Tensor], Tensor]) -> nn.Module:
+    """A copy of ``model`` that copies no memory: every tensor is a stand-in, every other object is shared.
+
+    The one copier of a user's module, behind :func:`fake_module` (fake tensors) and the callback's meta copy.
+    What is copied: the module tree (as modules), and the containers reachable from its attributes (lists, tuples,
+    dicts, sets, their subclasses, and dataclass instances), so that the copy's step appends to its own lists,
+    never to the caller's. Every tensor reachable through those (parameters, buffers, a plain tensor attribute
+    such as ``example_input_array`` or a positional encoding, the tensors in a list of step outputs) becomes
+    ``stand_in(tensor)``, once per tensor, so tied tensors stay tied; a parameter stays a parameter and a leaf
+    that requires grad still does. Every other object (a numpy table, a Dataset, a tokenizer) is the caller's own,
+    shared by reference, not copied. The Trainer or Fabric attached to a module is left out (``None``).
+
+    Args:
+        model: the module to copy; it is never changed.
+        stand_in: what each tensor becomes: a fake or a meta tensor of its shape, with no grad (the copy sets it).
+
+    Returns:
+        The copy.
+
+    Raises:
+        ValueError: if ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {brief(model)}")
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [model]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _ATOMIC) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Tensor):
+            memo[id(value)] = _stand_in(value, stand_in)
+        elif isinstance(value, nn.Module):
+            for name in ("_trainer", "_fabric"):
+                attached = value.__dict__.get(name)
+                if attached is not None:
+                    memo[id(attached)] = None
+                    seen.add(id(attached))
+            stack.extend(value.__dict__.values())
+        elif isinstance(value, CONTAINERS) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+            if isinstance(value, dict):
+                stack.extend(value.keys())
+                stack.extend(value.values())
+            elif isinstance(value, CONTAINERS):
+                stack.extend(value)
+            else:
+                stack.extend(getattr(value, f.name, None) for f in dataclasses.fields(value))
+            stack.extend(getattr(value, "__dict__", {}).values())  # a subclass's own attributes
+        elif isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+            stack.append(value.__self__)  # a hook bound to a module of the tree is bound to its copy
+        elif isinstance(value, functools.partial):
+            stack.extend((value.func, *value.args, *value.keywords.values()))
+            stack.extend(value.__dict__.values())
+        else:
+            memo[id(value)] = value  # shared: deepcopy finds it in the memo and copies nothing of it
+    return copy.deepcopy(model, memo)
+
+
+def _stand_in(tensor: Tensor, stand_in: Callable[[Tensor], Tensor]) -> Tensor:
+    made = stand_in(tensor)
+    if isinstance(tensor, nn.Parameter):
+        return made if isinstance(made, nn.Parameter) else nn.Parameter(made, requires_grad=tensor.requires_grad)
+    if tensor.requires_grad and tensor.is_leaf and not made.requires_grad and made.is_floating_point():
+        made.requires_grad_(True)
+    return made
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class GlobalState:
+    """What a dry run must leave as it found it: the random generators, the modes and hooks, the global flags.
+
+    Read by :meth:`take`; :meth:`restore` puts every item back. The items: Python's ``random``, numpy's global
+    generator (where numpy is imported), torch's CPU generator and CUDA's (where CUDA is initialised), the
+    dispatch and function mode stacks, the default saved-tensor hooks, the default dtype, grad mode, autocast's
+    state per device type and its cache, and ``torch.use_deterministic_algorithms``.
+    """
+
+    AUTOCAST_DEVICES = ("cpu", "cuda")
+
+    def __init__(self) -> None:
+        self.random = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.dispatch, self.function = global_modes.dispatch(), global_modes.function()
+        self.flags, self.hooks = global_modes.flags(), global_modes.saved_tensors_hooks()
+        self.dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
+        self.autocast = {
+            device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in self.AUTOCAST_DEVICES
+        }
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.deterministic = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+
+    @classmethod
+    def take(cls) -> GlobalState:
+        """The state now.
+
+        Returns:
+            A snapshot, to :meth:`restore` later.
+        """
+        return cls()
+
+    def restore(self) -> None:
+        """Put every item back as it was taken; the generators always, the rest where it changed."""
+        global_modes.restore(self.dispatch, self.function, self.flags, self.hooks)
+        random.setstate(self.random)
+        numpy = sys.modules.get("numpy")
+        if self.numpy is not None and numpy is not None:
+            numpy.random.set_state(self.numpy)
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        for device, (enabled, dtype) in self.autocast.items():
+            if torch.is_autocast_enabled(device) != enabled:
+                torch.set_autocast_enabled(device, enabled)
+            if torch.get_autocast_dtype(device) != dtype:
+                torch.set_autocast_dtype(device, dtype)
+        if torch.is_autocast_cache_enabled() != self.autocast_cache:
+            torch.set_autocast_cache_enabled(self.autocast_cache)
+        deterministic = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        if deterministic != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+
+
+@contextlib.contextmanager
+def preserved_globals() -> Iterator[None]:
+    """Leave the process's global state as the block found it, whatever the block did or raised.
+
+    Every dry-run entry point runs inside it: torch's fake collectives draw work ids from Python's ``random``,
+    a batch callable draws from torch's generator, and a step that fails half-way may leave a mode behind.
+    See :class:`GlobalState` for the items.
+
+    Yields:
+        Nothing; the state is put back on leaving.
+    """
+    state = GlobalState.take()
+    try:
+        yield
+    finally:
+        state.restore()
+
+
+def preserving_globals(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function`` run inside :func:`preserved_globals`, for the dry runs' entry points.
+
+    Args:
+        function: the entry point.
+
+    Returns:
+        The wrapped function, with the same name, signature and docstring.
+    """
+
+    @functools.wraps(function)
+    def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with preserved_globals():
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def build(make: Callable[[], nn.Module], mode: Any, notes: list[str] | None = None) -> nn.Module:
