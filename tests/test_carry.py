@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -13,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback, StepReport, TenantMonitor
-from lightning_memtenants.analysis.explain import DIVERGED
 from lightning_memtenants.core.carry import batch_key
 
 F32 = 4
@@ -103,6 +105,40 @@ def test_the_key_sees_what_decides_the_saved_tensors() -> None:
     optimizer.step()
     model.zero_grad()
     assert key != batch_key(0, (x,), model, [optimizer], tensors)  # Adam's state now exists
+    key = batch_key(0, (x,), model, [optimizer], tensors)
+    model[0].bias.requires_grad_(False)
+    assert key != batch_key(0, (x,), model, [optimizer], tensors)  # fewer trainable parameters
+    model[0].bias.requires_grad_(True)
+    assert key == batch_key(0, (x,), model, [optimizer], tensors)
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert key != batch_key(0, (x,), model, [optimizer], tensors)  # another parameter group
+    assert key != batch_key(0, (x,), model, [torch.optim.Adam(model.parameters())], tensors)  # no state yet
+    assert key != batch_key(0, (x,), model, [optimizer], [*tensors, torch.zeros(2)])  # a tensor more
+
+
+def test_a_registration_on_any_module_is_seen_while_a_watch_is_open() -> None:
+    from torch.nn.modules import module as torch_module
+
+    from lightning_memtenants.core.carry import TreeWatch
+
+    gc.collect()  # the monitors of earlier tests, which hold watches until they are collected
+    hooks = (torch_module._global_parameter_registration_hooks, torch_module._global_module_registration_hooks)
+    TreeWatch().close()  # a safe point: the collected watches are released there (their finalizers run no Python)
+    assert not any(hooks)
+    first, second = TreeWatch(), TreeWatch()
+    assert all(len(h) == 1 for h in hooks)  # one hook of each kind, however many watches
+    version = first.version
+    holder = nn.Module()
+    holder.head = nn.Linear(2, 2)  # the Linear's two parameters, then the module itself
+    assert second.version == first.version == version + 3
+    first.close()
+    first.close()  # closing twice releases once
+    assert all(len(h) == 1 for h in hooks) and first.closed and not second.closed
+    del second  # a watch nobody closed goes with its owner, at the next safe point
+    assert any(hooks) and first.version == version + 3  # reading a version is one
+    assert not any(hooks)
+    nn.Linear(2, 2)
+    assert first.version == version + 3  # not counted while no watch is open
 
 
 def test_a_phase_the_counted_batch_never_had_is_counted_and_said() -> None:
@@ -129,14 +165,23 @@ def test_a_phase_the_counted_batch_never_had_is_counted_and_said() -> None:
 
     step(True, stepped=False)
     same = step(False, stepped=False)
-    assert same.tenants_from_step == 0 and DIVERGED not in same.notes
+    assert same.tenants_from_step == 0
+    assert same.notes[0].startswith("tenants carried from step 0, not counted: this step repeats that step's")
     other = step(False, stepped=True)
-    assert other.tenants_from_step is None and DIVERGED in other.notes
+    assert other.tenants_from_step == 0  # its first phases were carried from step 0
+    assert other.notes == [
+        "tenants carried from step 0, not counted, before before_optimizer_step: the sequence of phases (another"
+        " backward or optimizer step) differed from step 0's there, so it was counted from before_optimizer_step on;"
+        " its activations, read at before_backward, are step 0's, and its graph was not walked; this batch shape is"
+        " counted on every step from now on"
+    ]
     weights = (6 * 8 + 8 + 8 + 1) * F32
     assert other.phases["before_optimizer_step"].tenants_bytes["gradients"] == weights  # counted there
     assert other.phases["before_backward"].tenants_bytes["activations"] == 4 * 8 * F32 + 4 * F32  # carried
     again = step(False, stepped=True)
-    assert again.tenants_from_step is None  # the diverged micro-batch was not kept: counted again
+    assert again.tenants_from_step is None and again.notes == []  # a key that diverged is counted from then on
+    back = step(False, stepped=False)
+    assert back.tenants_from_step is None  # also the steps that would have carried before
 
 
 class Steps(L.Callback):
@@ -208,3 +253,355 @@ def test_a_postmortem_on_a_carried_step_reads_its_graph_without_the_batch(tmp_pa
     record = json.loads((tmp_path / "memtenants_oom.json").read_text())
     assert record["step"] == 3
     assert record["tenants_at_failure_bytes"]["activations"] == saved_bytes(4)  # the graph so far: not x, not y
+
+
+# -- carried reports are never silently wrong: the issue's models, carried against counted on every step ------------
+
+
+def carried_and_counted(
+    make: Any, data: Any, steps: int = 20, source: str = "auto", **kwargs: Any
+) -> tuple[list[Any], list[Any]]:
+    """The same seeded fit twice: the default callback logging every 50 steps (so most steps carry) and one that
+    counts every step. Returns each step's report, in order, of both."""
+    runs = []
+    for every in (False, True):
+        cb = MemoryTenantsCallback(
+            track_every_step=every, log_every_n_steps=50, print_summary=False, memory_source=source
+        )
+        steps_seen = Steps(cb)
+        torch.manual_seed(0)
+        module = make()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's: a few batches, no logger
+            make_trainer([cb, steps_seen], steps=steps, **kwargs).fit(module, DataLoader(data(), batch_size=None))
+        runs.append(steps_seen.reports)
+    return runs[0], runs[1]
+
+
+def says_carried(report: StepReport) -> bool:
+    return any("tenants carried from step" in note for note in report.notes)
+
+
+def wrong(carried: list[StepReport], counted: list[StepReport]) -> list[int]:
+    """Where (the place in the lists) the tenants differ from counting's at some phase of some micro-batch."""
+    assert [r.step for r in carried] == [r.step for r in counted]
+    return [i for i, (a, b) in enumerate(zip(carried, counted, strict=True)) if tenants(a) != tenants(b)]
+
+
+def check_never_silently_wrong(carried: list[StepReport], counted: list[StepReport]) -> list[int]:
+    """Every step's tenants are counting's, or its notes say they were carried; where a step carried a tenant."""
+    assert all(r.tenants_from_step is None and not says_carried(r) for r in counted)
+    for report in carried:
+        assert says_carried(report) == (report.tenants_from_step is not None), report.step
+    assert [s for s in wrong(carried, counted) if not says_carried(carried[s])] == []
+    return [i for i, r in enumerate(carried) if says_carried(r)]
+
+
+def batches(count: int, *shape: int) -> Callable[[], list[tuple[torch.Tensor, ...]]]:
+    def make() -> list[tuple[torch.Tensor, ...]]:
+        generator = torch.Generator().manual_seed(2)
+        return [tuple(torch.randn(*s, generator=generator) for s in shape) for _ in range(count)]  # type: ignore[arg-type]
+
+    return make
+
+
+class LayerDrop(L.LightningModule):
+    """Four blocks of different widths, each skipped with p = 0.5 in training (``torch.rand([]) < 0.5``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        for block in self.blocks:
+            if torch.rand([]) < 0.5:
+                continue
+            x = torch.tanh(block(x))
+        return nn.functional.mse_loss(self.head(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_layerdrop_carries_until_its_gradients_differ_then_counts_every_step() -> None:
+    carried, counted = carried_and_counted(LayerDrop, batches(20, (8, 16), (8, 1)))
+    marked = check_never_silently_wrong(carried, counted)
+    diverged = [i for i, r in enumerate(carried) if any(", not counted, before after_backward" in n for n in r.notes)]
+    assert diverged  # the blocks that ran differ: a carried step's gradients differ from its counted one's
+    assert set(diverged) <= set(marked)
+    # a batch shape whose carry diverged is counted from then on: after the last divergence, every step is counted
+    last = max(diverged)
+    assert all(r.tenants_from_step is None for r in carried[last + 1 :])
+    assert wrong(carried[last + 1 :], counted[last + 1 :]) == []
+
+
+class MixtureOfExperts(L.LightningModule):
+    """Each token goes to the experts whose gate is positive: how many tokens each expert sees depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        gates = self.gate(x)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            tokens = (gates[:, index] > 0).nonzero().squeeze(1)
+            if tokens.numel():
+                out = out.index_add(0, tokens, expert(x[tokens]) * gates[tokens, index : index + 1])
+        return nn.functional.mse_loss(out.sum(1, keepdim=True), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_routed_tokens_are_never_silently_carried() -> None:
+    carried, counted = carried_and_counted(MixtureOfExperts, batches(20, (16, 8), (16, 1)))
+    marked = check_never_silently_wrong(carried, counted)
+    assert len(wrong(carried, counted)) >= 5  # the routing changes the activations; each such step says so
+    assert len(marked) >= len(wrong(carried, counted))
+
+
+class WassersteinGan(L.LightningModule):
+    """A WGAN under manual optimization: the critic steps on every batch, the generator on every fifth."""
+
+    N_CRITIC = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.critic = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        generator_optimizer, critic_optimizer = self.optimizers()
+        z = torch.randn(real.shape[0], 4)
+        critic_loss = self.critic(self.generator(z).detach()).mean() - self.critic(real).mean()
+        critic_optimizer.zero_grad()
+        self.manual_backward(critic_loss)
+        critic_optimizer.step()
+        if batch_idx % self.N_CRITIC == 0:
+            generator_loss = -self.critic(self.generator(z)).mean()
+            generator_optimizer.zero_grad()
+            self.manual_backward(generator_loss)
+            generator_optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.RMSprop(self.generator.parameters(), lr=5e-5),
+            torch.optim.RMSprop(self.critic.parameters(), lr=5e-5),
+        ]
+
+
+def test_a_wgan_with_n_critic_counts_the_steps_whose_optimizers_differ() -> None:
+    carried, counted = carried_and_counted(WassersteinGan, batches(20, (32, 8)))
+    marked = check_never_silently_wrong(carried, counted)
+    # one report per batch (an optimizer steps on each); Lightning counts each optimizer's steps in global_step
+    assert [r.step for r in counted[:7]] == [0, 2, 3, 4, 5, 6, 8]
+    # a batch whose generator steps has a second backward and optimizer step: another sequence of phases than the
+    # critic's batches, so a carry diverges there, and its batch shape is counted from then on
+    first = min(i for i in marked if any(", not counted, before before_backward" in n for n in carried[i].notes))
+    assert first % WassersteinGan.N_CRITIC == 0
+    assert wrong(carried[first + 1 :], counted[first + 1 :]) == []
+    assert all(r.tenants_from_step is None for r in carried[first + 1 :])
+
+
+class GrowsAHead(L.LightningModule):
+    """At step 7 a 512 x 512 head (1 MiB of weights) joins the module and the optimizer, inside the training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 512)
+        self.out = nn.Linear(512, 1)
+        self.head: nn.Module | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step == 7 and self.head is None:
+            self.head = nn.Linear(512, 512)
+            self.optimizers().optimizer.add_param_group({"params": list(self.head.parameters())})
+        h = self.body(x)
+        if self.head is not None:
+            h = torch.tanh(self.head(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_a_head_added_at_step_7_is_counted_where_it_is_added_and_after() -> None:
+    carried, counted = carried_and_counted(GrowsAHead, batches(20, (4, 8), (4, 1)))
+    check_never_silently_wrong(carried, counted)
+    assert wrong(carried, counted) == []  # a change of structure counts: every step is exact
+    head = (512 * 512 + 512) * F32
+    body = (8 * 512 + 512 + 512 + 1) * F32
+    for run in (carried, counted):
+        step7 = run[7].phases
+        assert step7["batch_start"].tenants_bytes["weights"] == body
+        assert step7["before_backward"].tenants_bytes["weights"] == body + head  # read where it joined
+        # saved for backward: the body's output (the head's input), the head's tanh output, the out's output, and
+        # Lightning's loss divisor; never the head's 1 MiB weight
+        saved = (4 * 512 + 4 * 512 + 4 * 1) * F32 + CLOSURE_DIVISOR
+        assert step7["before_backward"].tenants_bytes["activations"] == saved
+    # step 7 is counted from before_backward on, where the head joined; 8 has a new key (more parameters, Adam's
+    # state for the head), which the steps after it carry
+    assert [r.tenants_from_step for r in carried[6:11]] == [1, 1, None, 8, 8]
+    assert any(", not counted, before before_backward" in n for n in carried[7].notes)
+
+
+class TokensModule(L.LightningModule):
+    """A transformers model's loss on a batch of keyword arguments."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def switch_transformers() -> L.LightningModule:
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = SwitchTransformersConfig(
+        vocab_size=64,
+        d_model=64,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+        num_heads=4,
+        num_experts=4,
+        expert_capacity=6,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        dropout_rate=0.0,
+    )
+    return TokensModule(SwitchTransformersForConditionalGeneration(config))
+
+
+def token_batches() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        {"input_ids": torch.randint(1, 64, (2, 12), generator=generator), "labels": torch.randint(1, 64, (2, 6))}
+        for _ in range(12)
+    ]
+
+
+def test_switch_transformers_routing_is_never_silently_carried() -> None:
+    pytest.importorskip("transformers")
+    carried, counted = carried_and_counted(switch_transformers, token_batches, steps=12)
+    marked = check_never_silently_wrong(carried, counted)
+    assert marked  # the router decides the experts' batches: carried steps say so
+
+
+def wav2vec2() -> L.LightningModule:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 8),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        layerdrop=0.5,
+        mask_time_prob=0.0,
+        do_stable_layer_norm=True,
+        feat_extract_norm="layer",
+    )
+    return TokensModule(Wav2Vec2ForCTC(config))
+
+
+def audio_batches() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(4)
+    return [
+        {"input_values": torch.randn(2, 1600, generator=generator), "labels": torch.randint(1, 16, (2, 8))}
+        for _ in range(12)
+    ]
+
+
+def test_wav2vec2_with_layerdrop_is_never_silently_carried() -> None:
+    pytest.importorskip("transformers")
+    # no live-tensor tracker in either run: under its dispatch mode, torch's CTC loss takes the overload whose
+    # lengths are tensors and saves them (32 bytes here), so a measured step saves more than an unmeasured one
+    carried, counted = carried_and_counted(wav2vec2, audio_batches, steps=12, source="none")
+    marked = check_never_silently_wrong(carried, counted)
+    diverged = [s for s in marked if any(", not counted, before" in n for n in carried[s].notes)]
+    assert diverged
+    assert wrong(carried[max(diverged) + 1 :], counted[max(diverged) + 1 :]) == []
+
+
+class GrowsATemporary(L.LightningModule):
+    """64 -> 256 -> 64 with Adam; at step 4 the forward also makes a 1 MiB temporary, which it frees at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        if self.global_step == 4:
+            x = x + torch.empty(1 << 20, dtype=torch.uint8)[:1].float()  # nothing of it is saved for backward
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_on_cuda_a_carried_step_that_reads_other_bytes_says_so_and_the_next_step_counts() -> None:
+    from simcuda import simulated_cuda
+
+    from lightning_memtenants.core.sources import source_for
+
+    with simulated_cuda():
+        ours = MemoryTenantsCallback(print_summary=False, memory_source=source_for("cuda:0"), log_every_n_steps=50)
+        steps = Steps(ours)
+        data = TensorDataset(torch.randn(32 * 8, 64))
+        make_trainer([ours, steps], steps=8).fit(GrowsATemporary(), DataLoader(data, batch_size=32))
+    reports = steps.reports
+    # step 0 is logged (counted), step 1 new (Adam's state); 2 to 4 carry step 1's tenants; step 4 reads a window
+    # peak 1 MiB above step 1's at before_backward, says so, and step 5 is counted, which 6 and 7 then carry
+    assert [r.tenants_from_step for r in reports] == [None, None, 1, 1, 1, None, 5, 5]
+    flagged = [i for i, r in enumerate(reports) if any("the memory source read other bytes" in n for n in r.notes)]
+    assert flagged == [4]
+    (note,) = [n for n in reports[4].notes if "read other bytes" in n]
+    assert note.startswith("the memory source read other bytes at before_backward than on step 1, whose tenants this")
+    peak, then = reports[4].phases["before_backward"].window_peak_bytes, reports[1].phases["before_backward"]
+    # the window's peak is the moment of ``.float()``: the 1 MiB block and the 512-byte block of its copy on top of
+    # what the step began with (the view of the 1 MiB goes as soon as the copy is made, before the add)
+    assert peak == reports[4].phases["batch_start"].allocated_bytes + (1 << 20) + 512 > then.window_peak_bytes
+    assert all(says_carried(reports[i]) for i in (2, 3, 4, 6, 7))
+    assert reports[5].tenants_bytes == reports[4].tenants_bytes  # its tenants were right: only its readings moved
+
+
+def test_latest_and_the_printed_summary_say_that_the_last_step_carried(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_memtenants import format_table
+
+    cb = MemoryTenantsCallback()  # prints its summary
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(64, 6), torch.randn(64, 1))
+    make_trainer([cb], steps=5, log_every_n_steps=3).fit(Module(), DataLoader(data, batch_size=4))
+    latest = cb.latest
+    assert latest is not None and latest.step == 4 and latest.tenants_from_step == 2  # steps 0 and 2 are logged
+    assert latest.notes[0].startswith("tenants carried from step 2, not counted: this step repeats that step's")
+    printed = capsys.readouterr().out
+    assert "step 4's tenants were carried from step 2, not counted (track_every_step=True counts every step)" in printed
+    table = format_table(latest)
+    assert table.startswith("memtenants: optimizer step 4 (tenants carried from step 2, not counted) (memory source")
+    assert "- tenants carried from step 2, not counted: this step repeats" in table
+    assert "carried" not in format_table(cb.first)  # step 0 was counted

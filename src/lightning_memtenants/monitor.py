@@ -11,6 +11,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
+from operator import is_
 from typing import Any
 
 import torch
@@ -18,7 +19,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants._private import compiled_by_lightning, compiled_in_place
-from lightning_memtenants.analysis.explain import COMPILED_REASON, DIVERGED, NO_OUTPUT, explain_peak, graph_notes
+from lightning_memtenants.analysis.explain import (
+    COMPILED_REASON,
+    NO_OUTPUT,
+    carried_note,
+    diverged_note,
+    explain_peak,
+    graph_notes,
+    readings_note,
+)
 from lightning_memtenants.analysis.formulas import (
     expected_fixed_cost,
     explain_fixed_cost,
@@ -27,7 +36,18 @@ from lightning_memtenants.analysis.formulas import (
     step_temporaries_bytes,
 )
 from lightning_memtenants.checks import brief
-from lightning_memtenants.core.carry import BatchKey, CountedBatch, CountedBatches, batch_key, graph_delta
+from lightning_memtenants.core.carry import (
+    BatchKey,
+    CountedBatch,
+    CountedBatches,
+    CountedPhase,
+    Structure,
+    TreeWatch,
+    batch_key,
+    graph_delta,
+    structure,
+    tensor_sizes,
+)
 from lightning_memtenants.core.census import ActivationTracker, TenantCounter
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
@@ -47,8 +67,18 @@ class TenantMonitor:
     Set ``measure = False`` before a step's ``batch_start`` to skip a costly source (the
     live-tensor tracker) for that step. Its tenants are then carried, micro-batch by micro-batch, from
     the last counted one with the same :func:`~lightning_memtenants.core.carry.batch_key` (the same
-    batch shapes, optimizer state and gradients present), without walking the graph; a micro-batch with
-    no such match is counted. Set ``count_every_step = True`` to count every step regardless.
+    batch shapes, parameters, parameter groups, optimizer state and gradients present), without walking
+    the graph; a micro-batch with no such match is counted. At each phase a carried micro-batch must be where
+    its counted one was: the same phase, the same optimizers stepped so far (tell the monitor with
+    :meth:`optimizer_stepped`), at ``after_backward`` the same parameters with a gradient, at ``batch_end``
+    the same optimizer state entries and groups (:func:`~lightning_memtenants.core.carry.structure`); where
+    it is not, the micro-batch is counted from that phase on and its key is never carried again. A parameter,
+    buffer or submodule registered on any module makes the parameters be read again at the next phase. Every
+    carried report says so in its ``notes``. Set ``count_every_step = True`` to count every step regardless.
+
+    Between the micro-batches of a measured step a costly source is paused, and started again at the next
+    ``batch_start`` with that batch: what runs between them (the data loader's fetch and collate) is not
+    the step's, and a device holds neither the data set nor a prefetched batch.
 
     Args:
         module: the model whose tenants are counted.
@@ -128,6 +158,9 @@ class TenantMonitor:
         self._counts_at_start = GraphCounts()
         # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
         self.record_timeline = True
+        # whether the timeline names the module of each allocation (hooks on the model's modules); without it the
+        # timeline still splits each moment into fixed and batch-proportional bytes (``StepTimeline.scaling``)
+        self.timeline_module_paths = True
         self._recorder: TimelineRecorder | None = None
         # whether a training model's modules may get the timeline's hooks: once a measured step's graph was read
         # and held no torch.compile'd code (a compiled function that calls the modules is seen only there)
@@ -142,6 +175,26 @@ class TenantMonitor:
             self._tracker.host_memory = source.tracker.is_host
         self._counter = TenantCounter(module, self.optimizers, host_state)
         self._tracker.params = frozenset(id(t) for t in self._counter.tensors)
+        # registrations of parameters, buffers and submodules anywhere: the cue to read the parameters again
+        self._tree = TreeWatch()
+        self._tree_seen = self._tree.version
+        self._sizes: list[int] = []
+        self._params: list[Tensor] = []  # the parameters among the tensors, and their bytes: what has gradients
+        self._param_sizes: list[int] = []
+        self._local = [local_optimizer(o) for o in self.optimizers]  # the optimizers that hold state
+        self._read_sizes()
+        # per micro-batch under way: the indices of the optimizers that stepped in it, its phases in order (to keep
+        # with a counted one), and where a carried one is in its counted one's sequence
+        self._stepped: list[int] = []
+        self._sequences: list[list[CountedPhase]] = []
+        self._position = 0
+        # micro-batches of the step that carried until a phase: (micro-batch, step, phase, why, key banned)
+        self._partly: list[tuple[int, int, Phase, str, bool]] = []
+        # a carried step whose readings differed from its source step's: the next step is counted
+        self._count_next = False
+        self._count_this_step = False
+        # a costly source paused between the micro-batches of a measured step
+        self._paused_between = False
         self._parts: dict[Part, Callable[[], int]] = {}
         self._notes: list[str] = []
         # why the memory source does not measure this run, where it cannot (compiled code on CPU)
@@ -243,24 +296,57 @@ class TenantMonitor:
         """
         if not isinstance(name, str) or name not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {brief(name)}")
+        report = self._phase(name, batch, output)
+        if name == "batch_end" and self._measuring and not self.source.every_step:
+            # what runs until the next micro-batch (the data loader's fetch: a TensorDataset's sample is a view of
+            # the whole data set; the collate; the prefetch of the batch after) is not the step's
+            self._guard.run("memory source", self.source.pause)
+            self._paused_between = True
+        return report
+
+    def optimizer_stepped(self, optimizer: Optimizer) -> None:
+        """Tell the monitor that ``optimizer`` stepped in the micro-batch under way (the callback's post-step hook).
+
+        Which optimizers step is part of a step's structure: a carried micro-batch whose optimizers stepped
+        otherwise than its counted one's (a generator stepped every fifth batch) is counted from its next phase
+        on. A loop that never calls this compares nothing here.
+
+        Args:
+            optimizer: the optimizer that stepped; one the monitor was not given counts as ``-1``.
+        """
+        self._stepped.append(next((i for i, o in enumerate(self.optimizers) if o is optimizer), -1))
+
+    def _phase(self, name: Phase, batch: Any, output: Any) -> PhaseReport | None:
+        """``phase`` once its argument is checked."""
         guard = self._guard
+        changed = False
         if name == "batch_start":
             self._tracker.clear()
+            if self._tree.closed:  # closed and used again: watch again, and read the parameters
+                self._tree, self._tree_seen = TreeWatch(), -1
+            fresh = self.measure or self.steps_done == 0 or self._tree.version != self._tree_seen
+            if fresh and self.measures("census"):
+                # the module's parameters are re-read on measured steps and where a parameter, buffer or module was
+                # registered; a walk of the module tree at every step would cost more than the rest of the census
+                guard.run("census", self._refresh)
             if not self._micro:
                 self._begin_step(batch)
             tensors = batch_tensors(batch) if batch is not None else None  # read once: the key and the ignore
             self._begin_micro_batch(tensors)
             if tensors is not None:  # also on a carried step: a postmortem reads its graph (``observe_failure``)
                 guard.run("activations", self._tracker.ignore, tensors)
-        elif not self._micro:
-            self._begin_micro_batch(None)
+        else:
+            if not self._micro:
+                self._begin_micro_batch(None)
+            if self._tree.version != self._tree_seen and self.measures("census"):
+                changed = bool(guard.run("census", self._refresh))  # a head added inside the step
+        if self._paused_between:
+            self._resume_source(batch if name == "batch_start" else None)
         carried = self._carried[-1]
         if carried is not None:
-            if name in carried.phases:
-                return self._carry(name, carried.phases[name], output)
-            # a phase the counted micro-batch never had: count from here, and keep nothing of this one
-            self._carried[-1] = self._keys[-1] = None
-            self._step_note(DIVERGED)
+            carrying = self._carry_or_diverge(name, carried, output, changed)
+            if carrying is not None:
+                return carrying
         if name == "before_backward" and self.measures("activations"):
             if output is None:
                 self._step_note(NO_OUTPUT)
@@ -268,14 +354,9 @@ class TenantMonitor:
                 self.observe_output(output)
         reading = self.read_source()
         if self._recorder is not None:
-            self._guard.run("timeline", self._mark, name)
+            self._guard.run("timeline", self._mark, name, batch if name == "batch_start" else None)
         if not self.measures("census"):
             return None
-        if name == "batch_start" and (self.measure or self.steps_done == 0):
-            # the module's parameters are re-read on measured steps; a walk of the module
-            # tree at every step would cost more than the rest of the census
-            guard.run("census", self._counter.refresh)
-            self._tracker.params = frozenset(id(t) for t in self._counter.tensors)
         # Optimizer state appears only inside optimizer.step() and is then updated in place,
         # so it is recounted when an optimizer's state gains entries, and on measured steps.
         signature = tuple(len(local_optimizer(optimizer).state) for optimizer in self.optimizers)
@@ -298,6 +379,10 @@ class TenantMonitor:
         )
         self._micro[-1][name] = report
         self._last = report
+        if self._keys[-1] is not None:  # a micro-batch that may be kept: its phases in order, to carry
+            layout = structure(self._params, self._param_sizes, self._local, self._stepped, *_LOOKS.get(name, _NONE))
+            read = None if reading.allocated_bytes is None else _compared(name, reading)
+            self._sequences[-1].append(CountedPhase(name, layout, report.unmeasured(), read))
         return report
 
     def observe_output(self, output: Any) -> None:
@@ -344,11 +429,13 @@ class TenantMonitor:
     def skip_step(self) -> None:
         """Drop a step that will never end (a batch Lightning skipped); its measurement stops here."""
         self._micro, self._keys, self._carried, self._deltas = [], [], [], []
+        self._sequences, self._partly, self._stepped = [], [], []
         self._step_notes = []
         self._tracker.clear()
         self._tracker.reset_counts()
         self._drop_recorder()
         self._pause_source()
+        self._paused_between = False
 
     abandon_step = skip_step
 
@@ -372,6 +459,9 @@ class TenantMonitor:
         micro, self._micro = self._micro, []
         keys, carried, deltas = self._keys, self._carried, self._deltas
         self._keys, self._carried, self._deltas = [], [], []
+        sequences, partly = self._sequences, self._partly
+        self._sequences, self._partly, self._stepped = [], [], []
+        self._count_this_step, self._count_next = self._count_next, False
         self._tracker.clear()
         recorder = self._drop_recorder()
         self._pause_source()
@@ -389,7 +479,7 @@ class TenantMonitor:
             same = len(carried) == len(last_carried) and all(a is b for a, b in zip(carried, last_carried))  # noqa: B905
             if same and step_notes == last_notes and counts == last.graph and readings == last_readings:
                 return last.renumbered(number)  # the same counted micro-batches, read the same: the same report
-        notes = [*self._notes, *graph_notes(counts, self.device.type), *step_notes]
+        notes = [*self._notes, *graph_notes(counts, self.device.type), *_carried_notes(carried, partly), *step_notes]
         phases: dict[Phase, PhaseReport] = {}
         for batch_phases in micro:
             phases.update(batch_phases)
@@ -419,7 +509,7 @@ class TenantMonitor:
             explanation = "peak not measured: " + (self.unmeasured_reason or "no memory source measured this step")
         else:
             explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak, timeline)
-        carried_steps = [c.step for c in carried if c is not None]
+        carried_steps = [c.step for c in carried if c is not None] + [p[1] for p in partly]
         report = StepReport(
             step=number,
             phases=phases,
@@ -438,7 +528,7 @@ class TenantMonitor:
             activations_by_module_bytes=by_module,
             activations_by_module_at=by_module_at if by_module else "",
         )
-        self._keep_counted(number, micro, keys, carried, deltas)
+        self._keep_counted(number, micro, keys, carried, deltas, sequences)
         self._light = (carried, step_notes, readings, report) if light else None
         if timeline is not None:
             keep_timeline(report, timeline)
@@ -448,7 +538,10 @@ class TenantMonitor:
         """Remove every hook and mode this monitor registered; safe to call more than once."""
         self._tracker.clear()
         self._micro, self._keys, self._carried, self._deltas = [], [], [], []
+        self._sequences, self._partly, self._stepped = [], [], []
+        self._count_next = self._count_this_step = self._paused_between = False
         self._counted.clear()
+        self._tree.close()
         self._light = None
         self._step_notes = []
         self._tracker.reset_counts()
@@ -460,6 +553,7 @@ class TenantMonitor:
     # -- inside ----------------------------------------------------------------------------------
 
     def _begin_step(self, batch: Any) -> None:
+        self._paused_between = False
         self._measuring = (
             self.measures("memory source")
             and self.unmeasured_reason is None
@@ -472,6 +566,7 @@ class TenantMonitor:
                 # code (a compiled function calling the modules): the hooks would change what torch.compile
                 # compiles (its guards read them), and measuring never changes the program
                 hookable = self._hooks_allowed and not holds_compiled_code(self.module)
+                hookable = hookable and self.timeline_module_paths
                 named = self.module if self.source.tracker.count_fake or hookable else None
                 self._recorder = TimelineRecorder(named)
                 self._recorder.attach(self.source.tracker)
@@ -484,43 +579,115 @@ class TenantMonitor:
         """Open a micro-batch: its key, and the counted micro-batch it carries where the step is not measured."""
         self._close_micro_batch()
         self._micro.append({})
+        self._sequences.append([])
+        self._stepped, self._position = [], 0
         key = self._guard.run(
-            "census", batch_key, len(self._micro) - 1, batch, self.module, self.optimizers, self._counter.tensors
+            "census",
+            batch_key,
+            len(self._micro) - 1,
+            batch,
+            self.module,
+            self.optimizers,
+            self._counter.tensors,
+            self._sizes,
         )
         carried = None
-        if key is not None and not (self.measure or self.count_every_step) and self.measures("census"):
+        counts = self.measure or self.count_every_step or self._count_this_step
+        if key is not None and not counts and self.measures("census"):
             carried = self._counted.get(key)
         self._keys.append(key)
         self._carried.append(carried)
-        if carried is not None:
-            self._tracker.add_counts(carried.counts)
-        else:
+        if carried is None:
             self._counts_at_start = self._tracker.counts()
 
     def _close_micro_batch(self) -> None:
         """Keep what the walks of the micro-batch ending now found, to carry with its tenants."""
         if len(self._deltas) < len(self._micro):
-            counted = self._carried[-1] is None
-            self._deltas.append(graph_delta(self._counts_at_start, self._tracker.counts()) if counted else _NONE_FOUND)
+            carried = self._carried[-1]
+            if carried is not None:  # what its counted one's walks found stands for its own
+                self._tracker.add_counts(carried.counts)
+            delta = graph_delta(self._counts_at_start, self._tracker.counts()) if carried is None else _NONE_FOUND
+            self._deltas.append(delta)
 
-    def _carry(self, name: Phase, counted: PhaseReport, output: Any) -> PhaseReport:
-        """A phase of a carried micro-batch: the counted tenants and parts, with what the source reads now."""
+    def _carry_or_diverge(self, name: Phase, carried: CountedBatch, output: Any, changed: bool) -> PhaseReport | None:
+        """A phase of a carried micro-batch: carried where its structure is the counted one's at the same place in
+        the sequence of phases; else None, and the micro-batch is counted from this phase on."""
+        position = self._position
+        sequence = carried.sequence
+        counted = sequence[position] if position < len(sequence) else None
+        why = None
+        if counted is None or counted.name != name:
+            why = "the sequence of phases (another backward or optimizer step)"
+        elif changed:
+            why = "the module's parameters (one was added or replaced)"
+        elif name != "batch_start":  # at batch_start the key holds the structure
+            now = structure(self._params, self._param_sizes, self._local, self._stepped, *_LOOKS.get(name, _NONE))
+            if now != counted.structure:
+                why = _what_differs(now, counted.structure)
+        if why is None:
+            self._position = position + 1
+            return self._carry(name, carried.step, counted, output)
+        # count from here; the phases before were carried, and a key whose carry diverged is never carried again
+        # (a parameter added is not the key's fault: the keys after it differ)
+        key = self._keys[-1]
+        if key is not None and not changed:
+            self._counted.ban(key)
+        if any(p.name == "before_backward" for p in sequence[:position]):  # its activations were carried
+            self._tracker.add_counts(carried.counts)
+        self._partly.append((len(self._micro) - 1, carried.step, name, why, not changed))
+        self._carried[-1] = self._keys[-1] = None
+        return None
+
+    def _carry(self, name: Phase, step: int, counted: CountedPhase, output: Any) -> PhaseReport:
+        """A phase of a carried micro-batch: the counted tenants and parts, with what the source reads now.
+
+        Where the source reads every step (CUDA) and reads otherwise than on the counted step, the step says so and
+        the next step is counted.
+        """
         if name == "before_backward" and output is None and self.measures("activations"):
             self._step_note(NO_OUTPUT)
-        report = counted  # kept without readings: where the source does not measure this step, it is the phase
+        report = counted.report  # kept without readings: where the source does not measure this step, it is the phase
         if self._measuring:
             reading = self.read_source()
             report = PhaseReport(
                 name,
-                counted.tenants_bytes,
+                report.tenants_bytes,
                 reading.allocated_bytes,
                 reading.window_peak_bytes,
                 reading.reserved_bytes,
-                counted.parts_bytes,
+                report.parts_bytes,
             )
+            now = _compared(name, reading)
+            if counted.reading is not None and now != counted.reading and not self._count_next:
+                self._count_next = True
+                self._step_note(readings_note(step, name, now, counted.reading))
         self._micro[-1][name] = report
         self._last = report
         return report
+
+    def _refresh(self) -> bool:
+        """Read the module's parameters and buffers again; whether they changed (one added, removed or replaced)."""
+        before = self._counter.tensors
+        self._tree_seen = self._tree.version
+        self._counter.refresh()
+        tensors = self._counter.tensors
+        self._tracker.params = frozenset(id(t) for t in tensors)
+        self._read_sizes()
+        return len(before) != len(tensors) or not all(map(is_, before, tensors))
+
+    def _read_sizes(self) -> None:
+        """The tensors' bytes, and the parameters among them (they come first), for the key and the structure."""
+        tensors = self._counter.tensors
+        self._sizes = tensor_sizes(tensors)
+        count = sum(1 for _ in self.module.parameters())
+        self._params, self._param_sizes = tensors[:count], self._sizes[:count]
+
+    def _resume_source(self, batch: Any) -> None:
+        """Start the paused source again for the step's next micro-batch, with its batch among the roots."""
+        self._paused_between = False
+        if self._measuring:
+            self._guard.run("memory source", self.source.start, self._roots(batch))
+            self._measuring = self.measures("memory source")
 
     def _keep_counted(
         self,
@@ -529,12 +696,14 @@ class TenantMonitor:
         keys: list[BatchKey | None],
         carried: list[CountedBatch | None],
         deltas: list[GraphCounts],
+        sequences: list[list[CountedPhase]],
     ) -> None:
         """Keep the micro-batches counted in this step, by key, for later steps to carry."""
-        for phases, key, was_carried, counts in zip(micro, keys, carried, deltas, strict=True):
+        for phases, key, was_carried, counts, sequence in zip(micro, keys, carried, deltas, sequences, strict=True):
             if key is None or was_carried is not None or not phases:
                 continue
-            self._counted.keep(key, CountedBatch(step, {n: p.unmeasured() for n, p in phases.items()}, counts))
+            kept = CountedBatch(step, {n: p.unmeasured() for n, p in phases.items()}, counts, tuple(sequence))
+            self._counted.keep(key, kept)
 
     def _drop_recorder(self) -> TimelineRecorder | None:
         """Stop the step's timeline recorder (its hooks go); the recorder, to finish, or None."""
@@ -543,8 +712,8 @@ class TenantMonitor:
             recorder.detach()
         return recorder
 
-    def _mark(self, name: Phase) -> None:
-        """A phase boundary on the timeline, with the storages of the tenants known now."""
+    def _mark(self, name: Phase, batch: Any = None) -> None:
+        """A phase boundary on the timeline, with the storages of the tenants known now (and of the batch)."""
         assert self._recorder is not None
         tensors = self._counter.tensors
         activations = self.measures("activations")
@@ -557,6 +726,7 @@ class TenantMonitor:
             optimizer_state_tensors(self.optimizers, self.host_state),
             saved,
             [storage for storage in casts if storage is not None],
+            batch_tensors(batch) if batch is not None else (),
         )
         self._recorder.mark(name, keys)
 
@@ -686,6 +856,44 @@ def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
     """
     names = [f"{type(local_optimizer(o)).__name__} ({optimizer_implementation(o)})" for o in optimizers]
     return ", ".join(names) or "no optimizer"
+
+
+# What a carried micro-batch compares with its counted one at each phase beside the phase itself and the optimizers
+# that stepped so far: (the gradients, the optimizers' state entries and groups). The gradients at after_backward, where
+# the backward decided which parameters have one (a block skipped at random has none); the optimizers at batch_end,
+# after their steps. The key compares all of them at batch_start. Each look costs a pass over the parameters or the
+# optimizers, a few microseconds in a training loop: the other phases skip them.
+_LOOKS: dict[str, tuple[bool, bool]] = {"after_backward": (True, False), "batch_end": (False, True)}
+_NONE = (False, False)
+_DIFFERS = (
+    "the parameters with a gradient",
+    "the optimizer state",
+    "the parameter groups",
+    "the optimizers that stepped",
+)
+
+
+def _what_differs(now: Structure, then: Structure) -> str:
+    """What differs between two structures, in words: the first part that does."""
+    return next((what for what, a, b in zip(_DIFFERS, now, then, strict=True) if a != b), "the structure")
+
+
+def _compared(name: Phase, reading: Reading) -> tuple[int | None, int | None]:
+    """What a carried phase's reading is compared on: allocated bytes and the window's peak (at ``batch_start`` the
+    window spans the time between steps, which is not the step's, so only the allocated bytes)."""
+    return reading.allocated_bytes, None if name == "batch_start" else reading.window_peak_bytes
+
+
+def _carried_notes(carried: list[CountedBatch | None], partly: list[tuple[int, int, Phase, str, bool]]) -> list[str]:
+    """The notes of a step whose micro-batches carried tenants: one per step carried from, one per divergence."""
+    of = len(carried)
+    by_step: dict[int, list[int]] = {}
+    for index, counted in enumerate(carried):
+        if counted is not None:
+            by_step.setdefault(counted.step, []).append(index)
+    notes = [carried_note(step, indices, of) for step, indices in by_step.items()]
+    notes += [diverged_note(step, name, why, index, of, banned=banned) for index, step, name, why, banned in partly]
+    return notes
 
 
 def _readings(micro: list[dict[Phase, PhaseReport]]) -> tuple[Any, ...]:

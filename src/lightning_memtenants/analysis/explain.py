@@ -5,8 +5,10 @@ Each function reads a record (or counts) and returns words; nothing here measure
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_memtenants.core.record import GraphCounts, PhaseReport
-from lightning_memtenants.names import WINDOWS, Phase
+from lightning_memtenants.names import PHASES, WINDOWS, Phase
 from lightning_memtenants.units import MiB
 
 COMPILED_REASON = (
@@ -15,10 +17,84 @@ COMPILED_REASON = (
     " stay exact, counted from the tensors; on CUDA the allocator's counters see compiled code)"
 )
 NO_OUTPUT = "activations not measured: phase('before_backward') was given no output whose graph to read"
-DIVERGED = (
-    "activations not read after a phase that the step carried from had not: this micro-batch's tenants were"
-    " carried from an earlier step with the same batch shapes until then, and its graph was not walked"
-)
+# The words every report whose tenants were carried rather than counted holds (``carried_note``, ``diverged_note``).
+CARRIED = "tenants carried from step"
+
+
+def _which(micro_batches: Sequence[int], of: int) -> str:
+    """`` (micro-batches 0, 1 of 2)``; nothing for a step of one micro-batch."""
+    if of <= 1:
+        return ""
+    plural = "es" if len(micro_batches) > 1 else ""
+    return f" (micro-batch{plural} {', '.join(map(str, micro_batches))} of {of})"
+
+
+def carried_note(step: int, micro_batches: Sequence[int] = (), of: int = 1) -> str:
+    """The note of a step whose micro-batches carried the tenants counted on ``step``, phase by phase.
+
+    Args:
+        step: the step they were counted on.
+        micro_batches: which of this step's micro-batches carried them (with ``of`` above 1).
+        of: how many micro-batches the step had.
+
+    Returns:
+        ``"tenants carried from step k, not counted: ..."``.
+    """
+    return (
+        f"{CARRIED} {step}, not counted{_which(micro_batches, of)}: this step repeats that step's batch shapes,"
+        " parameters, optimizer state and gradients, phase by phase, and its graph was not walked; what a value"
+        " decides (tokens routed by a gate) is not seen; track_every_step=True counts every step"
+    )
+
+
+def diverged_note(step: int, phase: Phase, why: str, micro_batch: int = 0, of: int = 1, *, banned: bool = True) -> str:
+    """The note of a micro-batch that carried the tenants counted on ``step`` until ``phase``, where it differed.
+
+    Args:
+        step: the step its first phases were carried from.
+        phase: the first phase counted.
+        why: what differed there, in words (``"the parameters with a gradient"``).
+        micro_batch: its place in the step.
+        of: how many micro-batches the step had.
+        banned: whether its batch shape is never carried again (a change of the module's parameters is not).
+
+    Returns:
+        ``"tenants carried from step k, not counted, before <phase>: ..."``; it names the activations where they
+        were among the phases carried.
+    """
+    carried = PHASES[: PHASES.index(phase)] if phase in PHASES else ()
+    text = (
+        f"{CARRIED} {step}, not counted, before {phase}{_which([micro_batch], of)}: {why} differed from step"
+        f" {step}'s there, so it was counted from {phase} on"
+    )
+    if "before_backward" in carried:
+        text += f"; its activations, read at before_backward, are step {step}'s, and its graph was not walked"
+    return text + ("; this batch shape is counted on every step from now on" if banned else "")
+
+
+def readings_note(
+    step: int, phase: Phase, read: tuple[int | None, int | None], then: tuple[int | None, int | None]
+) -> str:
+    """The note of a carried step whose memory source read other bytes than the step its tenants were carried from.
+
+    Args:
+        step: the step the tenants were carried from.
+        phase: the first phase whose readings differ.
+        read: ``(allocated, window peak)`` there on this step.
+        then: the same on ``step``.
+
+    Returns:
+        The sentence: the tenants may differ, and the next step is counted.
+    """
+    return (
+        f"the memory source read other bytes at {phase} than on step {step}, whose tenants this step carried"
+        f" (allocated, window peak: {_bytes(read)} against {_bytes(then)}): its tenants may differ from counting's,"
+        " and the next step is counted"
+    )
+
+
+def _bytes(reading: tuple[int | None, int | None]) -> str:
+    return ", ".join("not read" if v is None else f"{v:,}" for v in reading)
 
 
 def _at_end(phase: PhaseReport) -> str:

@@ -139,8 +139,10 @@ class StepReport:
         notes: sentences on what the precision, the strategy and the graph add.
         graph: what the graph walks found beside the tenants.
         tenants_from_step: where the tenants were not counted on this step but carried (a step the memory source
-            did not measure, whose micro-batches repeat ones counted before: the same batch shapes, optimizer state
-            and gradients present), the step they were counted on; None where they were counted on this step.
+            did not measure, whose micro-batches repeat ones counted before: the same batch shapes, parameters,
+            optimizer state and gradients present), the step they were counted on, also where a micro-batch carried
+            only its first phases and was counted from the phase where it differed; None where they were counted on
+            this step. Such a step's ``notes`` say ``tenants carried from step k, not counted``.
         activations_by_module_bytes: the activations tenant split by the module that owns each storage (the
             innermost module whose forward allocated it; ``"(outside any module)"`` where none ran), at the moment
             ``activations_by_module_at`` names: the ten largest, largest first, and the rest summed under

@@ -67,10 +67,14 @@ def columns_for(report: StepReport) -> tuple[str, ...]:
 def step_table(report: StepReport, budget_bytes: int | None = None, title: str | None = None) -> Table:
     """The table of ``report``: its phases, the high-water marks, then the peak, the notes and the fixed cost.
 
+    A step whose tenants were carried rather than counted (``tenants_from_step``) says so in its heading, and its
+    notes say from where.
+
     Args:
         report: the step.
         budget_bytes: the run's budget, for a last line with the headroom; None leaves it out.
-        title: the heading; None: ``memtenants: optimizer step N``.
+        title: the heading; None: ``memtenants: optimizer step N``. Either way a carried step's heading ends with
+            ``(tenants carried from step k, not counted)``.
 
     Returns:
         The table, for :func:`to_text` or :func:`to_markdown`.
@@ -128,6 +132,8 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
         else:
             lines.append(f"budget {mib(budget_bytes)} MiB; headroom {mib(budget_bytes - report.peak_bytes)} MiB")
     heading = f"memtenants: optimizer step {report.step}" if title is None else title
+    if report.tenants_from_step is not None:  # the notes say how; the heading says that they were
+        heading += f" (tenants carried from step {report.tenants_from_step}, not counted)"
     return Table(heading, report.memory_source, rows, lines, columns)
 
 
@@ -291,6 +297,11 @@ def fit_summary(
             f" measured. At step {latest.step} the tenants' high-water marks summed to"
             f" {mib(latest.tenant_sum_bytes)} MiB (step {last.step}: {mib(last.tenant_sum_bytes)} MiB)"
         )
+        if latest.tenants_from_step is not None:
+            lines[-1] += (
+                f"; step {latest.step}'s tenants were carried from step {latest.tenants_from_step}, not counted"
+                " (track_every_step=True counts every step)"
+            )
     if max_batch_size is not None and budget_bytes is not None:
         lines.append(
             f"the largest batch is {max_batch_size:,} samples: a steady-state step"
