@@ -10,7 +10,12 @@ Arms, each fitted with a fresh Trainer and a fresh module, both built outside th
   operator at ``on_train_batch_start`` and leaves it at ``on_train_batch_end``, every step: the floor any
   tracker built on a dispatch mode pays;
 - with ``--compare`` (the default; ``--no-compare`` skips them): PyTorch's ``MemTracker``, ``torch.profiler``
-  with ``profile_memory``, ``record_shapes`` and ``with_stack``, and Lightning's ``DeviceStatsMonitor``.
+  with ``profile_memory``, ``record_shapes`` and ``with_stack``, and Lightning's ``DeviceStatsMonitor``;
+- with ``--every-step`` (the default; ``--no-every-step`` skips it), a separate pair on its own model
+  (``--every-step-model``, ``micro`` by default) and length (``--every-step-steps``, 2,000 by default): a
+  ``TensorBoardLogger`` with ``log_every_n_steps=1``, the callback with its defaults against the same fit without
+  it. Beside the ratios it prints the share of the fit's wall time spent drawing the desk and timeline pictures,
+  how many were drawn and left out, and the bytes of event files each fit wrote.
 
 Each arm first fits once for 2 steps untimed (warm-up). Then every repeat fits each arm once, in ABBA order:
 the arm list forward on even repeats, reversed on odd ones. Around ``trainer.fit`` alone the script reads both
@@ -27,23 +32,27 @@ Per arm it reports:
 - for ``default``, the median share of the fit's wall time spent inside the callback's own Lightning hooks
   (its forward hooks, optimizer hooks and the tracker's per-operator cost on measured steps are not in it).
 
-Models (``--models``, a comma list): ``tiny`` (a transformer encoder LM, 2 layers of width 128, 4 heads,
-batch 16 x 64 tokens), ``tiny3`` (3 layers of width 96, 4 heads, batch 8 x 32 tokens), both by default;
-``seed`` (the seed MLP of examples/seed_mlp.py, batch 256) and ``small`` (4 layers of width 256, 8 heads,
-batch 16 x 128 tokens) on request.
+Models (``--models``, a comma list, or ``none`` for the log-every-step pair alone): ``tiny`` (a transformer
+encoder LM, 2 layers of width 128, 4 heads, batch 16 x 64 tokens), ``tiny3`` (3 layers of width 96, 4 heads,
+batch 8 x 32 tokens), both by default; ``seed`` (the seed MLP of examples/seed_mlp.py, batch 256), ``small``
+(4 layers of width 256, 8 heads, batch 16 x 128 tokens) and ``micro`` (an MLP of 3 layers of width 64, batch 32:
+steps of well under a millisecond) on request.
 
 Run: ``python benchmarks/overhead.py [--models tiny,tiny3] [--steps 120] [--repeats 6] [--threads 1]
-[--log-every 50] [--no-compare] [--json PATH]``.
+[--log-every 50] [--no-compare] [--every-step-steps 2000] [--no-every-step] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import json
 import logging
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -54,7 +63,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import DeviceStatsMonitor
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
@@ -100,6 +109,30 @@ class SmallTransformer(TinyTransformer):
         super().__init__(width=256, layers=4, heads=8)
 
 
+class MicroMLP(L.LightningModule):
+    """An MLP of 3 layers of width 64 on batches of 32: a step of well under a millisecond, where logging dominates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters())
+
+
+def micro_loader(steps: int, batch_size: int = 32) -> DataLoader:
+    """``steps`` batches of ``batch_size`` samples of 64 features and a target."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * batch_size, 64, generator=generator)
+    return DataLoader(TensorDataset(x, torch.randn(steps * batch_size, 1, generator=generator)), batch_size=batch_size)
+
+
 def transformer_loader(steps: int, batch_size: int = 16, seq_len: int = 65) -> DataLoader:
     """``steps`` batches of ``batch_size`` sequences of ``seq_len`` tokens (inputs are ``seq_len - 1`` long)."""
     tokens = torch.randint(0, 1000, (steps * batch_size, seq_len), generator=torch.Generator().manual_seed(0))
@@ -132,6 +165,7 @@ MODELS: dict[str, Model] = {
         SmallTransformer,
         lambda steps: transformer_loader(steps, batch_size=16, seq_len=129),
     ),
+    "micro": Model("micro MLP, 3 layers x 64, batch 32", MicroMLP, micro_loader),
 }
 
 
@@ -366,9 +400,109 @@ def measure(model: Model, arms: dict[str, Callable[[], list[L.Callback]]], args:
     return {"title": model.title, "orders": orders, "arms": results}
 
 
+class PanelsSpy(MemoryTenantsCallback):
+    """The callback with its defaults; notes what its TensorBoard panels spent drawing before the fit lets them go."""
+
+    drawing_s = 0.0
+    pictures = 0
+    skipped = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        panels = self._logs.panels
+        PanelsSpy.drawing_s = panels.drawing_s if panels is not None else 0.0
+        PanelsSpy.pictures = panels.pictures if panels is not None else 0
+        PanelsSpy.skipped = panels.skipped if panels is not None else 0
+
+
+def tensorboard_fit(model: Model, loader: DataLoader, callback: bool, steps: int) -> dict[str, float]:
+    """One fit with a TensorBoardLogger logging every step, with or without the callback (its defaults).
+
+    Returns:
+        CPU and wall seconds of ``trainer.fit``, the seconds the panels spent drawing, the pictures drawn during the
+        fit and left out, and the bytes of the event files written.
+    """
+    L.seed_everything(0, verbose=False)
+    with tempfile.TemporaryDirectory() as directory:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            callbacks=[PanelsSpy()] if callback else [],
+            logger=TensorBoardLogger(directory, name="bench"),
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        module = model.make_module()
+        gc.collect()
+        PanelsSpy.drawing_s, PanelsSpy.pictures, PanelsSpy.skipped = 0.0, 0, 0
+        cpu, wall = time.process_time(), time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # the summary the callback prints at the end, kept quiet
+            trainer.fit(module, loader)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        events = sum(path.stat().st_size for path in Path(directory).rglob("events.out.tfevents.*"))
+    return {
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "drawing_s": PanelsSpy.drawing_s,
+        "pictures": PanelsSpy.pictures,
+        "skipped": PanelsSpy.skipped,
+        "events_bytes": events,
+    }
+
+
+def measure_every_step_logging(model: Model, args: argparse.Namespace) -> dict[str, Any]:
+    """The log-every-step pair: a TensorBoardLogger, ``log_every_n_steps=1``, with and without the callback."""
+    steps = args.every_step_steps
+    loader = model.make_loader(steps)
+    names = {"tensorboard, no callback": False, "tensorboard, callback": True}
+    for callback in names.values():  # warm-up
+        tensorboard_fit(model, loader, callback, WARMUP_STEPS)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        for name in list(names) if repeat % 2 == 0 else list(names)[::-1]:
+            runs[name].append(tensorboard_fit(model, loader, names[name], steps))
+    base, arm = runs["tensorboard, no callback"], runs["tensorboard, callback"]
+    cpu_ratios = [a["cpu_s"] / b["cpu_s"] for a, b in zip(arm, base, strict=True)]
+    shares = [a["drawing_s"] / a["wall_s"] for a in arm]
+    result = {
+        "title": model.title,
+        "steps": steps,
+        "runs": runs,
+        "cpu_ratio": min(a["cpu_s"] for a in arm) / min(b["cpu_s"] for b in base),
+        "cpu_ratio_paired": statistics.median(cpu_ratios),
+        "cpu_ratios": cpu_ratios,
+        "wall_ratio": statistics.median(a["wall_s"] / b["wall_s"] for a, b in zip(arm, base, strict=True)),
+        "drawing_share_median": statistics.median(shares),
+        "events_bytes": {name: statistics.median(r["events_bytes"] for r in runs[name]) for name in names},
+    }
+    print(
+        f"\nlog every step, {model.title}: a TensorBoardLogger, log_every_n_steps=1, {steps} steps,"
+        f" {args.repeats} repeats (ABBA); fastest CPU time without the callback {min(b['cpu_s'] for b in base):.3f} s"
+        f" ({1000 * min(b['cpu_s'] for b in base) / steps:.2f} ms/step)"
+    )
+    print(
+        f"  callback (defaults) against none: CPU ratio {result['cpu_ratio']:.3f} (fastest of each),"
+        f" CPU paired {result['cpu_ratio_paired']:.3f}, wall ratio {result['wall_ratio']:.3f}"
+    )
+    last = arm[-1]
+    print(
+        f"  drawing the pictures: median share of the fit's wall time {result['drawing_share_median']:.4f}"
+        f" ({last['drawing_s']:.2f} s of {last['wall_s']:.2f} s in the last repeat; {last['pictures']} in-fit"
+        f" pictures drawn, {last['skipped']} left out by the budget, plus the end of fit's)"
+    )
+    print(
+        "  event files written: " + ", ".join(f"{name} {int(b):,} bytes" for name, b in result["events_bytes"].items())
+    )
+    return result
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", default="tiny,tiny3", help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--models", default="tiny,tiny3", help=f"comma list of {', '.join(MODELS)}; none: the log-every-step pair only"
+    )
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per timed fit")
     parser.add_argument("--repeats", type=int, default=6, help="timed fits per arm, in ABBA order")
     parser.add_argument("--log-every", type=int, default=50, help="the Trainer's log_every_n_steps")
@@ -379,14 +513,26 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="add MemTracker, the profiler and DeviceStatsMonitor",
     )
+    parser.add_argument(
+        "--every-step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the log-every-step pair: a TensorBoardLogger, log_every_n_steps=1, with and without the callback",
+    )
+    parser.add_argument(
+        "--every-step-model", default="micro", help=f"the log-every-step pair's model: one of {', '.join(MODELS)}"
+    )
+    parser.add_argument("--every-step-steps", type=int, default=2000, help="optimizer steps of the log-every-step fits")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write raw times and ratios here")
     args = parser.parse_args()
-    args.model_names = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.model_names = [m.strip() for m in args.models.split(",") if m.strip() and m.strip() != "none"]
     unknown = [m for m in args.model_names if m not in MODELS]
-    if unknown or not args.model_names:
+    if unknown or not (args.model_names or args.every_step):
         parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
-    if args.steps < 1 or args.repeats < 1 or args.log_every < 1:
-        parser.error("--steps, --repeats and --log-every must be positive")
+    if args.every_step_model not in MODELS:
+        parser.error(f"--every-step-model must be one of {', '.join(MODELS)}, got {args.every_step_model!r}")
+    if args.steps < 1 or args.repeats < 1 or args.log_every < 1 or args.every_step_steps < 1:
+        parser.error("--steps, --repeats, --log-every and --every-step-steps must be positive")
     return args
 
 
@@ -416,6 +562,8 @@ def main() -> None:
     }
     for name in args.model_names:
         report["models"][name] = measure(MODELS[name], arms, args)
+    if args.every_step:
+        report["every_step_logging"] = measure_every_step_logging(MODELS[args.every_step_model], args)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nraw times and ratios: {args.json}")

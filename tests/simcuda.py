@@ -144,23 +144,28 @@ class SimulatedCuda:
 
     def memory_allocated(self, device: Any = None) -> int:
         _check_device(device)
+        self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
         return self.allocator.allocated_bytes
 
     def max_memory_allocated(self, device: Any = None) -> int:
         _check_device(device)
+        self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
         return self.allocator.peak_bytes
 
     def memory_reserved(self, device: Any = None) -> int:
         _check_device(device)
+        self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
         return self.allocator.reserved_bytes
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         _check_device(device)
         self.resets += 1
+        self.tracker.settle()
         self.allocator.peak_bytes = self.allocator.allocated_bytes
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         _check_device(device)
+        self.tracker.settle()
         return self.total_bytes - self.allocator.reserved_bytes, self.total_bytes
 
     def get_device_capability(self, device: Any = None) -> tuple[int, int]:
@@ -184,6 +189,7 @@ class SimulatedCuda:
         if enabled not in (None, "state", "all"):
             raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         self.history_calls.append(enabled)
+        self.tracker.settle()  # the frees before this call are in the history as it was
         self._recording = enabled == "all"
         self._max_entries = max_entries
 
@@ -208,6 +214,7 @@ class SimulatedCuda:
 
     def snapshot(self) -> dict[str, Any]:
         """What ``torch.cuda.memory._snapshot()`` returns, in shape: the segments now and the events recorded."""
+        self.tracker.settle()
         segments = [
             {
                 "device": 0,

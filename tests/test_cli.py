@@ -262,6 +262,8 @@ def test_every_bad_input_is_one_line_naming_it(tmp_path: Path, user_module: str,
         ((f"{user_module}:Model", "--json", str(tmp_path)), "is a directory"),
         ((f"{user_module}:Model", "--snapshot", str(tmp_path)), "--snapshot must be a file path, and"),
         ((f"{user_module}:Model", "--snapshot", str(tmp_path / "missing" / "s.pickle")), "--snapshot: the directory"),
+        ((f"{user_module}:Model", "--snapshot", f"{user_module}/s.pickle"), f"--snapshot: {user_module} is not a"),
+        ((f"{user_module}:Model", "--json", f"{user_module}/r.json"), f"--json: {user_module} is not a directory"),
         ((f"{GPT}:TinyGPT", "--init", '{"n_layr": 2}'), "unexpected keyword argument 'n_layr'"),
         ((f"{user_module}:ReturnsNone",), "ReturnsNone.example_batch(1) must return the batch for training_step"),
         ((f"{user_module}:ReturnsText",), "got 'tokens'"),
@@ -284,6 +286,26 @@ def test_every_bad_input_is_one_line_naming_it(tmp_path: Path, user_module: str,
         assert expected in run.stderr, (args, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
         assert run.stdout == "", args  # found before anything was printed
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "reason"),
+    [
+        ("--snapshot", "/sys/memtenants.pickle", "Permission denied"),
+        ("--snapshot", "/proc/memtenants.pickle", "No such file or directory"),
+        ("--json", "/sys/memtenants.json", "Permission denied"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_one_line_after_the_table(
+    user_module: str, cli: Any, option: str, path: str, reason: str
+) -> None:
+    """The parent directory exists, so only the write can tell: the table is printed first, then one line naming the
+    option and the OS's reason, exit 2, no traceback (as root too: /sys and /proc refuse new files to everyone)."""
+    run = cli("predict", f"{user_module}:Model", "--batch-size", "2", option, path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == f"memtenants: error: {option}: cannot write {path}: {reason}\n"
+    assert "high-water mark" in run.stdout and "peak" in run.stdout  # the table was not lost
+    assert "Traceback" not in run.stdout + run.stderr
 
 
 def test_the_user_s_own_failures_show_their_frames_not_ours(tmp_path: Path, user_module: str, cli: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -142,8 +143,8 @@ def test_images_endpoint_lists_the_desk(server: str) -> None:
     image = {"displayName": "", "description": "", "samples": 1}
     assert tags == {RUN: {"memtenants/desk": image, "memtenants/timeline": image}}
     images = get(server, "/data/plugin/images/images", run=RUN, tag="memtenants/desk")
-    # the first logging step (desk_every_n_logs=10), then the last measured step at the end of fit
-    assert [image["step"] for image in images] == [0, 2]
+    # a fit of a second draws no in-fit picture (the pictures' budget); the end of fit's is the last measured step
+    assert [image["step"] for image in images] == [2]
     png = get(server, "/data/plugin/images/individualImage", blob_key=images[-1]["query"].split("blob_key=")[-1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -151,7 +152,7 @@ def test_images_endpoint_lists_the_desk(server: str) -> None:
 @pytest.mark.slow
 def test_images_endpoint_serves_the_timeline(server: str) -> None:
     images = get(server, "/data/plugin/images/images", run=RUN, tag="memtenants/timeline")
-    assert [image["step"] for image in images] == [0, 2]  # drawn with the desk: the first logging step, the last
+    assert [image["step"] for image in images] == [2]  # drawn with the desk, at the end of fit
     png = get(server, "/data/plugin/images/individualImage", blob_key=images[-1]["query"].split("blob_key=")[-1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(png[16:20]), int.from_bytes(png[20:24])) == (1100, 560)  # the IHDR's width, height
@@ -264,7 +265,8 @@ def read_events(directory: Path) -> EventAccumulator:
     return events
 
 
-def test_desk_rate_follows_the_option(tmp_path) -> None:
+def test_desk_rate_follows_the_option(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(panels.TensorBoardPanels, "_may_draw", lambda self: True)  # the budget is tested below
     cb = MemoryTenantsCallback(desk_every_n_logs=2, print_summary=False)
     make_trainer([cb], steps=5, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(5))
     events = read_events(tmp_path)
@@ -334,3 +336,134 @@ def test_oom_postmortem_goes_to_the_text_panel(tmp_path) -> None:
     assert "Fixes, estimated from the tenants (not measured), most bytes saved first:" in text
     # the logger's directory, as it was at the start of fit
     assert cb.postmortem_path == tmp_path / "lightning_logs" / "version_0" / "memtenants_oom.json"
+
+
+class ImageWriter:
+    """A ``SummaryWriter``-like object that keeps the tag and step of each image, and takes text and flushes."""
+
+    def __init__(self) -> None:
+        self.images: list[tuple[str, int]] = []
+
+    def add_image(self, name: str, image: np.ndarray, step: int, dataformats: str) -> None:
+        self.images.append((name, step))
+
+    def add_text(self, *args: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def small_report(step: int) -> Any:
+    from lightning_memtenants.core.record import PhaseReport, StepReport
+
+    tenants = {"weights": 5 * MiB, "gradients": 0, "optimizer_state": 0, "activations": MiB}
+    phase = PhaseReport("before_backward", tenants, 6 * MiB, 6 * MiB, None)
+    return StepReport(step, {"before_backward": phase}, [{"before_backward": phase}], tenants, None, 5 * MiB)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """A clock the test moves: ``clock[0]`` seconds; each desk picture costs ``clock[1]`` seconds of it."""
+    now = [0.0, 0.3]
+
+    def desk(report: Any, budget_bytes: int | None = None) -> Any:
+        now[0] += now[1]
+        return panels.Figure(figsize=(1, 1), dpi=10)
+
+    monkeypatch.setattr(panels, "desk_figure", desk)
+    return now
+
+
+def test_pictures_keep_to_two_percent_of_the_fit_time_when_every_step_is_logged(clock: list[float]) -> None:
+    writer = ImageWriter()
+    board = panels.TensorBoardPanels([writer], desk_every_n_logs=1, clock=lambda: clock[0])
+    shares = []
+    for step in range(7000):
+        clock[0] += 0.007  # a step of 7 ms, logged
+        board.on_log(small_report(step), step)
+        shares.append(board.drawing_s / clock[0])
+    # each picture only once 2% of the time since the start pays for it and the ones before (the first estimated at
+    # 0.3 s): 0.3 s of drawing once the fit is 15 s old, 0.6 s at 30 s, 0.9 s at 45 s
+    assert [step for _, step in writer.images] == [2142, 4242, 6342]
+    assert board.pictures == 3 and board.skipped == 6997
+    assert board.drawing_s == pytest.approx(0.9)
+    assert max(shares) <= 0.02  # never above the share
+    board.on_fit_end([small_report(6999)], 6999, None, desk=small_report(6999))  # the end of fit's, always
+    assert writer.images[-1] == (tag(DESK), 6999)
+    assert board.drawing_s == pytest.approx(1.2)
+
+
+def test_at_most_max_pictures_go_to_the_events_the_last_at_the_end_of_fit(clock: list[float]) -> None:
+    clock[1] = 0.0  # free pictures: only the cap holds them back
+    writer = ImageWriter()
+    board = panels.TensorBoardPanels(
+        [writer], desk_every_n_logs=1, max_pictures=4, clock=lambda: clock[0], first_pair_s=0.0
+    )
+    for step in range(100):
+        clock[0] += 1.0
+        board.on_log(small_report(step), step)
+    board.on_fit_end([small_report(99)], 99, None, desk=small_report(99))
+    assert [step for _, step in writer.images] == [0, 1, 2, 99]
+    assert board.pictures == 3 and board.skipped == 97
+
+
+def test_the_pictures_are_spread_over_a_fit_of_known_length(clock: list[float]) -> None:
+    clock[1] = 0.0
+    writer = ImageWriter()
+    board = panels.TensorBoardPanels(
+        [writer], desk_every_n_logs=1, max_pictures=11, planned_logs=1000, clock=lambda: clock[0], first_pair_s=0.0
+    )
+    for step in range(1000):
+        clock[0] += 1.0
+        board.on_log(small_report(step), step)
+    assert [step for _, step in writer.images] == list(range(0, 1000, 100))  # ten, one kept for the end
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accepts"),
+    [
+        ("max_drawing_share", 0, "a number in (0, 1]"),
+        ("max_drawing_share", 1.5, "a number in (0, 1]"),
+        ("max_drawing_share", True, "a number in (0, 1]"),
+        ("max_pictures", 0, "a positive int"),
+        ("max_pictures", 2.0, "a positive int"),
+        ("first_pair_s", -1, "a number of seconds, 0 or more"),
+        ("first_pair_s", "0.3", "a number of seconds, 0 or more"),
+    ],
+)
+def test_a_bad_picture_budget_is_refused_naming_the_argument(name: str, value: Any, accepts: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be {accepts}, got {value!r}")):
+        panels.TensorBoardPanels([], **{name: value})
+
+
+def test_a_short_fit_logging_every_step_draws_only_the_end_of_fits_pictures(tmp_path) -> None:
+    """Steps of milliseconds: any in-fit picture would take more than 2% of the fit, so only the summary's is drawn."""
+    cb = MemoryTenantsCallback(desk_every_n_logs=1, print_summary=False)
+    make_trainer([cb], steps=40, logger=TensorBoardLogger(tmp_path)).fit(Tiny(), tiny_loader(40))
+    events = read_events(tmp_path)
+    assert [image.step for image in events.Images(tag(DESK))] == [39]
+    assert [image.step for image in events.Images("memtenants/timeline")] == [39]
+    assert len(events.Scalars("memtenants/weights_MiB")) == 40
+
+
+@pytest.mark.parametrize("root_dir", [True, False], ids=["default_root_dir", "unset"])
+def test_without_a_logger_the_postmortem_goes_to_the_trainers_default_root_dir(tmp_path: Path, root_dir: bool) -> None:
+    """``logger=False``: the trainer's ``default_root_dir``, which is the working directory unless set."""
+    from lightning_memtenants.core.sources import TrackerSource
+
+    work = tmp_path / "work"
+    work.mkdir()
+    options = {"default_root_dir": str(tmp_path / "root")} if root_dir else {}
+    source = TrackerSource(scan=False, limit_bytes=900)  # the weights and the batch fit, the first output does not
+    cb = MemoryTenantsCallback(memory_source=source, print_summary=False)
+    with (
+        contextlib.chdir(work),
+        pytest.raises(torch.OutOfMemoryError, match="simulated device"),
+        pytest.warns(match="postmortem written"),
+    ):
+        make_trainer([cb], steps=2, logger=False, **options).fit(Tiny(), tiny_loader(2))
+    expected = (tmp_path / "root" if root_dir else work) / "memtenants_oom.json"
+    assert cb.postmortem_path == expected
+    assert json.loads(expected.read_text())["phase"] == "forward"
+    assert (expected.parent / "memtenants_oom.txt").is_file()

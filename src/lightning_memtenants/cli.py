@@ -238,8 +238,6 @@ def _predict(args: argparse.Namespace) -> int:
         options = {**options, "strategy": args.strategy, "world_size": args.world_size}
     prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
     report = prediction.report
-    if snapshot_path is not None:
-        write_snapshot(prediction, snapshot_path)
     print(_header(args, batch_size, shapes, gpu_target), file=out)
     print(format_table(report), file=out)  # the report's notes include the prediction's own
     if args.strategy is not None:
@@ -277,6 +275,11 @@ def _predict(args: argparse.Namespace) -> int:
                 for rank, r in enumerate(prediction.ranks)
             ]
         _write_json(document, json_path)
+    if snapshot_path is not None:  # written last: a path that cannot be written loses nothing printed before it
+        try:
+            write_snapshot(prediction, snapshot_path)
+        except OSError as error:
+            raise UsageError(f"--snapshot: cannot write {snapshot_path}: {error.strerror or error}") from None
     return 0
 
 
@@ -487,6 +490,8 @@ def _output_path(value: str | None, option: str = "--json") -> Path | None:
     path = Path(value)
     if path.is_dir():
         raise UsageError(f"{option} must be a file path, and {value} is a directory")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UsageError(f"{option}: {path.parent} is not a directory")
     if not path.parent.is_dir():
         raise UsageError(f"{option}: the directory {path.parent} does not exist")
     return path

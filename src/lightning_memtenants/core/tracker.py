@@ -1,11 +1,19 @@
 """A live-tensor tracker: exact current and peak bytes on CPU and fake devices.
 
 Every storage an operator creates is registered through a ``TorchDispatchMode``; a weak
-reference with a callback takes it off again when it is freed. Storages that already
-existed are the roots the caller names (the callback names the training's: parameters,
-buffers, gradients, optimizer state, the batch) and, with ``scan=True``, every tensor a
-one-time ``gc`` scan finds. It costs a Python call per operator, so the callback runs it on
-logging steps unless asked otherwise.
+reference with a callback takes it off again when it is freed. Storages that already existed are
+the roots the caller names (the callback names the training's: parameters, buffers, gradients,
+optimizer state, the batch) and, with ``scan=True``, every tensor a one-time ``gc`` scan finds. It
+costs a Python call per operator, so the callback runs it on logging steps unless asked otherwise.
+
+A Ctrl+C is never lost in the tracker. Python swallows any exception raised inside a weak
+reference's callback (it prints "Exception ignored in"), and a signal that arrives while a C operator
+runs is raised at the first Python instruction after it: often the entry of the callback of a storage
+that operator freed. So the callback runs no Python code: it is a ``functools.partial`` of
+``dict.__setitem__`` that notes the storage as dead. The dead storages are taken off at the next
+safe point of ours (the next operator, a read); a ``BaseException`` raised in that bookkeeping (by a
+timeline recorder, an allocator model) is kept as pending and raised once the operator's own outputs
+are counted, or by :func:`raise_pending`, which the callback's hooks call.
 
 The tracker shares the process with the user's own modes and patches, so it composes:
 its mode asks ``torch.compile`` to leave it out of compilation (``ignore_compile_internals``)
@@ -17,6 +25,7 @@ as memory; ``count_fake`` counts fake tensors as the memory they stand for (a pr
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -72,6 +81,30 @@ def _is_plain_tensor(value: object) -> bool:
 _HOLDS_NO_TENSOR = frozenset({torch.device, torch.dtype, torch.layout, int, float, bool, type(None)})
 
 _following: list[LiveTensorTracker] = []
+# A BaseException that is not an Exception (a KeyboardInterrupt, a SystemExit), raised inside the bookkeeping of freed
+# storages, kept for the next safe point of ours (``raise_pending``): never swallowed, never raised mid-bookkeeping.
+_pending: list[BaseException] = []
+
+
+def raise_pending() -> None:
+    """Raise the ``BaseException`` (a ``KeyboardInterrupt``, say) that the trackers' bookkeeping of freed storages
+    caught and kept, if any; the callback's hooks call it first, and each operator a tracker sees calls it after its
+    outputs are counted.
+
+    Raises:
+        BaseException: the first one kept since the last call (the others are dropped: one interrupt is enough).
+    """
+    if _pending:
+        error = _pending[0]
+        _pending.clear()
+        raise error
+
+
+def _keep_pending(error: BaseException) -> None:
+    if not _pending:
+        _pending.append(error)
+
+
 # The wrapper we installed over ``UntypedStorage.resize_``: (wrapper, previous was in the class's dict, previous).
 _installed: list[tuple[Any, bool, Any]] = []
 
@@ -174,45 +207,51 @@ class _Mode(TorchDispatchMode):
         if kind in _HOLDS_NO_TENSOR:  # a query (the device a fake tensor reports, a size): nothing to count
             return out
         tracker = self.tracker
-        if tracker.plain and tracker.error is None:
-            # a real CPU run's operator: no rewrite, recorder, limit or allocator model; what is new is counted
-            # here, in as few Python steps as possible, as this runs for every operator of a tracked step
+        if tracker._dead:  # storages freed since the last operator: off before this one's outputs are counted
+            tracker._drain()
+        try:
+            if tracker.plain and tracker.error is None:
+                # a real CPU run's operator: no rewrite, recorder, limit or allocator model; what is new is counted
+                # here, in as few Python steps as possible, as this runs for every operator of a tracked step
+                try:
+                    if kind is Tensor:
+                        if out.is_cpu and out.layout is _STRIDED:
+                            tracker.seen(out.untyped_storage())
+                        return out
+                    if kind is tuple and all(map(_is_plain_tensor, out)):
+                        for tensor in out:
+                            if tensor.is_cpu and tensor.layout is _STRIDED:
+                                tracker.seen(tensor.untyped_storage())
+                        return out
+                except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
+                    tracker.error = error
+                    return out
+            if tracker.recorder is not None and not tracker.unseen:
+                tracker.recorder.begin_op(func)
+            if tracker.rewrite is not None:
+                out = tracker.rewrite(func, args, kwargs, out)
+            if tracker.error is not None or tracker.unseen:
+                return out
+            before = tracker._current
             try:
-                if kind is Tensor:
-                    if out.is_cpu and out.layout is _STRIDED:
-                        tracker.seen(out.untyped_storage())
-                    return out
-                if kind is tuple and all(map(_is_plain_tensor, out)):
+                if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
+                    tracker.host(out)
+                elif isinstance(out, Tensor):
+                    tracker.add(out)
+                elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
                     for tensor in out:
-                        if tensor.is_cpu and tensor.layout is _STRIDED:
-                            tracker.seen(tensor.untyped_storage())
-                    return out
+                        tracker.add(tensor)
+                else:
+                    tracker.register(tensors_in(out))
             except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
                 tracker.error = error
                 return out
-        if tracker.recorder is not None and not tracker.unseen:
-            tracker.recorder.begin_op(func)
-        if tracker.rewrite is not None:
-            out = tracker.rewrite(func, args, kwargs, out)
-        if tracker.error is not None or tracker.unseen:
+            if tracker.limit_bytes is not None:
+                tracker.check_limit(before)
             return out
-        before = tracker.current_bytes
-        try:
-            if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
-                tracker.host(out)
-            elif isinstance(out, Tensor):
-                tracker.add(out)
-            elif isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
-                for tensor in out:
-                    tracker.add(tensor)
-            else:
-                tracker.register(tensors_in(out))
-        except Exception as error:  # the user's operator has run; a bookkeeping failure must not fail it
-            tracker.error = error
-            return out
-        if tracker.limit_bytes is not None:
-            tracker.check_limit(before)
-        return out
+        finally:
+            if _pending:  # an interrupt kept by the bookkeeping: raised once the operator's outputs are counted
+                raise_pending()
 
 
 class LiveTensorTracker:
@@ -280,12 +319,17 @@ class LiveTensorTracker:
         self.scan = scan
         self.limit_bytes = limit_bytes
         # what the allocator model adds above the tensors' own bytes (its blocks' rounding)
-        self.rounding_bytes = 0
+        self._rounding = 0
         self._armed = True
-        self.current_bytes = 0
+        self._current = 0
         self.peak_bytes = 0
         self._window_peak = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        # storage key -> (a weak reference to the storage, its counted bytes)
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        # storage key -> its weak reference, for the storages freed since the last ``_drain``: each weak reference's
+        # callback is ``functools.partial(self._dead.__setitem__, key)``, C code that no Ctrl+C can interrupt
+        self._dead: dict[int, weakref.ref] = {}
+        self._note_dead = self._dead.__setitem__
         self._pad: dict[int, int] = {}
         self._mode: _Mode | None = None
         self._scanned = False
@@ -304,6 +348,27 @@ class LiveTensorTracker:
         # the devices whose storages are counted, and those that are not, as operators have shown them
         self._counted_devices: set[torch.device] = set()
         self._other_devices: set[torch.device] = set()
+
+    @property
+    def current_bytes(self) -> int:
+        """The bytes of the storages alive now."""
+        if self._dead:
+            self._drain()
+        return self._current
+
+    @property
+    def rounding_bytes(self) -> int:
+        """What the allocator model adds above the tensors' own bytes (its blocks' rounding)."""
+        if self._dead:
+            self._drain()
+        return self._rounding
+
+    @property
+    def _live(self) -> dict[int, tuple[weakref.ref, int]]:
+        """Every storage counted now: key -> (a weak reference to it, its counted bytes); the timeline reads it."""
+        if self._dead:
+            self._drain()
+        return self._storages
 
     @property
     def rewrite(self) -> Callable[[Any, Any, Any, Any], Any] | None:
@@ -341,16 +406,18 @@ class LiveTensorTracker:
     def seen(self, storage: torch.UntypedStorage) -> None:
         """Count a storage an operator returned, if it is new or its size changed (the short path of ``_add_storage``).
 
+        The operator's dispatch has taken off the storages freed before it (``_drain``).
+
         Args:
             storage: a CPU storage, on a tracker with no allocator model, host marks or recorder.
         """
         key = id(storage)
-        known = self._live.get(key)
+        known = self._storages.get(key)
         nbytes = storage.nbytes()
         if known is None:
-            self._live[key] = (weakref.ref(storage, self._freed_callback(key)), nbytes)
+            self._storages[key] = (weakref.ref(storage, functools.partial(self._note_dead, key)), nbytes)
         elif known[1] != nbytes:
-            self._live[key] = (known[0], nbytes)
+            self._storages[key] = (known[0], nbytes)
             nbytes -= known[1]
         else:
             return
@@ -383,7 +450,7 @@ class LiveTensorTracker:
             storage = ref()
             if storage is not None:
                 self._add_storage(storage)  # sizes may have changed while paused (storage resizes)
-        self.peak_bytes = self._window_peak = self.current_bytes
+        self.peak_bytes = self._window_peak = self._current
         self._plain()
         if self._mode is None:
             self._mode = _Mode(self)
@@ -400,12 +467,13 @@ class LiveTensorTracker:
     def stop(self) -> None:
         """Stop and forget everything; a later start scans again."""
         self.pause()
-        self._live.clear()
+        self._storages.clear()
+        self._dead.clear()
         self._pad.clear()
         self._scanned = False
         self.unreadable = 0
         self.error = None
-        self.current_bytes = self.peak_bytes = self._window_peak = self.rounding_bytes = 0
+        self._current = self.peak_bytes = self._window_peak = self._rounding = 0
 
     def __enter__(self) -> LiveTensorTracker:
         self.start()
@@ -420,8 +488,10 @@ class LiveTensorTracker:
         Returns:
             ``(current_bytes, window_peak_bytes)``.
         """
-        peak, self._window_peak = self._window_peak, self.current_bytes
-        return self.current_bytes, peak
+        if self._dead:
+            self._drain()
+        peak, self._window_peak = self._window_peak, self._current
+        return self._current, peak
 
     def register(self, tensors: Iterable[Tensor]) -> None:
         """Count the storages behind ``tensors`` that are not counted yet.
@@ -501,8 +571,10 @@ class LiveTensorTracker:
         """
         if self.error is not None or nbytes <= 0:
             return
+        if self._dead:
+            self._drain()
         self._grow(nbytes)
-        self.current_bytes -= nbytes
+        self._current -= nbytes
         if self.recorder is not None:
             key = object()
             self.recorder.alloc(id(key), nbytes)
@@ -517,7 +589,8 @@ class LiveTensorTracker:
         storage = tensor.untyped_storage()
         key = id(storage)
         host = self._host
-        host[key] = weakref.ref(storage, lambda _: host.pop(key, None))
+        # the callback is C code (``host.pop(key, ref)``), which no Ctrl+C can interrupt (see the module's docstring)
+        host[key] = weakref.ref(storage, functools.partial(host.pop, key))
 
     def is_host(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` was marked host memory (:meth:`host`), and so is in no figure.
@@ -532,22 +605,24 @@ class LiveTensorTracker:
         return ref is not None and ref() is storage
 
     def _add_storage(self, storage: torch.UntypedStorage) -> None:
+        if self._dead:
+            self._drain()
         key = id(storage)
         if self._host and key in self._host and self._host[key]() is storage:
             return
-        known = self._live.get(key)
+        known = self._storages.get(key)
         nbytes = int(storage.nbytes())
         if self.allocator is not None:
             if known is not None:
                 self.allocator.free(key)
             exact, nbytes = nbytes, self.allocator.malloc(key, nbytes)
-            self.rounding_bytes += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
+            self._rounding += (nbytes - exact) - (self._pad.get(key, 0) if known is not None else 0)
             self._pad[key] = nbytes - exact
         if known is None:
-            self._live[key] = (weakref.ref(storage, self._freed_callback(key)), nbytes)
+            self._storages[key] = (weakref.ref(storage, functools.partial(self._note_dead, key)), nbytes)
             self._grow(nbytes)
         elif known[1] != nbytes:
-            self._live[key] = (known[0], nbytes)
+            self._storages[key] = (known[0], nbytes)
             self._grow(nbytes - known[1])
         else:
             return
@@ -570,32 +645,53 @@ class LiveTensorTracker:
         if limit is None:
             return
         if not self._armed:
-            self._armed = self.current_bytes <= limit
-        elif self.current_bytes > max(limit, before):
+            self._armed = self._current <= limit
+        elif self._current > max(limit, before):
             self._armed = False
             raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {self.current_bytes - before} bytes"
+                f"CUDA out of memory. Tried to allocate {self._current - before} bytes"
                 f" (simulated device of {limit} bytes, {before} bytes in use)"
             )
 
     def _grow(self, nbytes: int) -> None:
-        self.current_bytes += nbytes
-        if self.current_bytes > self._window_peak:
-            self._window_peak = self.current_bytes
-            if self.current_bytes > self.peak_bytes:
-                self.peak_bytes = self.current_bytes
+        self._current += nbytes
+        if self._current > self._window_peak:
+            self._window_peak = self._current
+            if self._current > self.peak_bytes:
+                self.peak_bytes = self._current
 
-    def _freed_callback(self, key: int) -> Any:
-        live = self._live
+    def settle(self) -> None:
+        """Take off the storages freed since the last operator, now: what a reader of an allocator model's own figures
+        (a simulated device's counters) calls first, since the tracker's figures do so themselves."""
+        if self._dead:
+            self._drain()
 
-        def freed(_: weakref.ref) -> None:
-            entry = live.pop(key, None)
-            if entry is not None and live is self._live:
-                self.current_bytes -= entry[1]
-                self.rounding_bytes -= self._pad.pop(key, 0)
-                if self.allocator is not None:
-                    self.allocator.free(key)
-                if self.recorder is not None:
-                    self.recorder.free(key)
+    def _drain(self) -> None:
+        """Take off the storages freed since the last call, in the order they were freed.
 
-        return freed
+        Each storage leaves the tracker's own figures before the allocator model and the recorder hear of it, and
+        is forgotten as dead only after both did, so whatever one of them raises leaves the figures whole. An
+        ``Exception`` there is kept in ``error`` (the figures go on, the failing part is what the caller checks), and
+        any other ``BaseException`` (a ``KeyboardInterrupt`` landing in a recorder, say) is kept for
+        :func:`raise_pending`: it is never raised mid-bookkeeping, and never swallowed.
+        """
+        dead, live = self._dead, self._storages
+        while dead:  # a free the bookkeeping itself causes is noted meanwhile, and taken off in the next round
+            for key, ref in list(dead.items()):
+                entry = live.get(key)
+                if entry is not None and entry[0] is ref:
+                    del live[key]
+                    self._current -= entry[1]
+                    self._rounding -= self._pad.pop(key, 0)
+                    try:
+                        if self.allocator is not None:
+                            self.allocator.free(key)
+                        if self._recorder is not None:
+                            self._recorder.free(key)
+                    except Exception as error:
+                        if self.error is None:
+                            self.error = error
+                    except BaseException as error:  # kept, and raised at the next safe point
+                        _keep_pending(error)
+                if dead.get(key) is ref:
+                    del dead[key]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_memtenants._private import batches_that_stepped
+from lightning_memtenants._private import batches_that_stepped, show_in_progress_bar
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.render.table import Summary, summary_text, summary_to_markdown
@@ -28,7 +29,8 @@ class Logs:
     Args:
         every_n_steps: log every this many optimizer steps; ``None`` follows the trainer's ``log_every_n_steps``.
         desk_every_n_logs: with a TensorBoardLogger, draw the desk on every this-many-th logging step; ``0``:
-            only at the end of fit.
+            only at the end of fit. The pictures keep to a budget whatever the cadence (``TensorBoardPanels``):
+            at most 2% of the fit's time, at most 50 of each in the event files, spread over the fit.
         info: how a notice is given (rank zero's).
         warn: how a failure of ours is reported.
 
@@ -74,10 +76,22 @@ class Logs:
                 desk_every_n_logs=self.desk_every_n_logs,
                 separator=getattr(boards[0], "group_separator", "/"),
                 warn=self._warn,
+                planned_logs=self._planned_logs(trainer),
             ),
         )
         if self.panels is not None:
             self.panels.write_layout()
+
+    def _planned_logs(self, trainer: pl.Trainer) -> int | None:
+        """How many steps the fit will log, where Lightning knows how many it will step; else None."""
+        every = self.every_n_steps or trainer.log_every_n_steps
+        try:
+            total = float(trainer.estimated_stepping_batches)
+        except Exception:  # an iterable without a length, a strategy that cannot tell: the pictures are not spread
+            return None
+        if every <= 0 or not math.isfinite(total) or total <= 0:
+            return None
+        return int(total // every) + 1
 
     def logs_next_step(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning logs the optimizer step about to run (asked at its first ``batch_start``).
@@ -128,14 +142,16 @@ class Logs:
         if self.panels is not None:
             self.panels.on_log(report, step, budget_bytes)
 
-    def show_headroom(self, pl_module: pl.LightningModule, headroom_bytes: int) -> None:
-        """Put the headroom in the progress bar (not in the loggers: the scalars carry it).
+    def show_headroom(self, trainer: pl.Trainer, headroom_bytes: int) -> None:
+        """Put the headroom in the progress bar (not in the loggers: the scalars carry it), as a Python float.
+
+        Not through ``LightningModule.log``: that makes a tensor of it, operators a user's dispatch mode would see.
 
         Args:
-            pl_module: the LightningModule whose ``log`` feeds the progress bar.
+            trainer: the Trainer, whose progress bar metrics get ``headroom_MiB``.
             headroom_bytes: the budget less the step's peak.
         """
-        self.guard.run("the progress bar", _show, pl_module, headroom_bytes)
+        self.guard.run("the progress bar", _show, trainer, headroom_bytes)
 
     def fit_end(
         self,
@@ -212,5 +228,6 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def _show(pl_module: pl.LightningModule, headroom_bytes: int) -> None:
-    pl_module.log("headroom_MiB", headroom_bytes / MiB, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+def _show(trainer: pl.Trainer, headroom_bytes: int) -> None:
+    if not show_in_progress_bar(trainer, "headroom_MiB", headroom_bytes / MiB):
+        raise RuntimeError("this Lightning keeps no progress bar metrics to add the headroom to")

@@ -7,7 +7,9 @@ figure, an RGB array, markdown), so a hand-written loop can log them with its ow
 
 from __future__ import annotations
 
+import math
 import textwrap
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.image import imsave
 
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
@@ -41,6 +44,11 @@ _COLORS = {
     "fragmentation": "#d9d9d9",
 }
 WINDOW_PEAK = "window peak"
+# The pictures' budget in a fit: the share of the fit's time spent drawing them, and how many of each are written.
+MAX_DRAWING_SHARE = 0.02
+MAX_PICTURES = 50
+# What a desk and timeline pair costs to draw (matplotlib's Agg, 1100 x 560 pixels each), before one has been drawn.
+FIRST_PAIR_S = 0.3
 # A layer thinner than this share of the chart gets its value written on it.
 _THIN = 0.04
 
@@ -179,6 +187,15 @@ class TensorBoardPanels:
     panel runs under this object's own guard, so a failing picture disables that picture
     only, never a measurement.
 
+    The pictures cost a bounded share of the fit whatever the cadence: a desk and timeline pair (some 0.3 s of
+    matplotlib, some 130 KB of events) is drawn during the fit only while the time spent drawing, the next pair
+    included (estimated as the last pair's cost), stays within ``max_drawing_share`` of the time since this object
+    was made (the fit's start); and at most ``max_pictures`` desks (and as many timelines) go to the event files in
+    a fit, the last at its end. Where the fit's length is known (``planned_logs``), the in-fit pictures are spread
+    over it rather than spent at its start. The first pair is held to the same share, with ``first_pair_s`` as its
+    estimated cost, so that a fit of milliseconds draws no picture until it has run long enough to pay for one; the
+    end of fit's pair, the summary's, is always drawn.
+
     Args:
         writers: the ``SummaryWriter``-like objects to write to.
         log_dirs: where the PNG and the markdown go at the end of fit.
@@ -186,6 +203,24 @@ class TensorBoardPanels:
             at the end of fit.
         separator: the logger's ``group_separator``.
         warn: how a failing panel is reported.
+        max_drawing_share: the largest share of the fit's time (``time.perf_counter``) that drawing the in-fit
+            pictures may take, in (0, 1].
+        max_pictures: the most desk pictures (and timelines) written to the event files in a fit, the end of fit's
+            included; at least 1.
+        planned_logs: how many logging steps the fit will have, where known (the trainer's estimated steps over
+            its logging cadence); None: unknown.
+        clock: the clock the share is measured with (seconds).
+        first_pair_s: the estimated cost of the first pair, in seconds, 0 or more (later pairs are estimated at the
+            last pair's measured cost).
+
+    Attributes:
+        drawing_s: the seconds spent drawing pictures since this object was made, the end of fit's included.
+        pictures: the desk pictures drawn during the fit (not counting the end of fit's).
+        skipped: the desk pictures the cadence asked for that the budget left out.
+
+    Raises:
+        ValueError: if ``max_drawing_share`` is not in (0, 1], ``max_pictures`` is not a positive int, or
+            ``first_pair_s`` is not a number of seconds, 0 or more.
     """
 
     def __init__(
@@ -196,7 +231,20 @@ class TensorBoardPanels:
         desk_every_n_logs: int = 10,
         separator: str = "/",
         warn: Callable[[str], Any] = warnings.warn,
+        max_drawing_share: float = MAX_DRAWING_SHARE,
+        max_pictures: int = MAX_PICTURES,
+        planned_logs: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        first_pair_s: float = FIRST_PAIR_S,
     ) -> None:
+        if isinstance(max_drawing_share, bool) or not isinstance(max_drawing_share, (int, float)):
+            raise ValueError(f"max_drawing_share must be a number in (0, 1], got {max_drawing_share!r}")
+        if not 0 < max_drawing_share <= 1:
+            raise ValueError(f"max_drawing_share must be a number in (0, 1], got {max_drawing_share!r}")
+        if isinstance(max_pictures, bool) or not isinstance(max_pictures, int) or max_pictures < 1:
+            raise ValueError(f"max_pictures must be a positive int, got {max_pictures!r}")
+        if isinstance(first_pair_s, bool) or not isinstance(first_pair_s, (int, float)) or not first_pair_s >= 0:
+            raise ValueError(f"first_pair_s must be a number of seconds, 0 or more, got {first_pair_s!r}")
         self.writers = list(writers)
         self.log_dirs = [Path(d) for d in log_dirs]
         self.desk_every_n_logs = desk_every_n_logs
@@ -206,6 +254,18 @@ class TensorBoardPanels:
         self._drawn: int | None = None  # the report step of the last picture, not to draw it twice
         self._timeline_drawn: int | None = None
         self._last_log: tuple[int, int] | None = None  # (report step, logger step) of the last logged report
+        self.max_drawing_share = float(max_drawing_share)
+        self.max_pictures = max_pictures
+        self._clock = clock
+        self._started = clock()
+        self.drawing_s = 0.0
+        self.pictures = 0
+        self.skipped = 0
+        self._cost_s = float(first_pair_s)  # what the last in-fit pair cost: the estimate of the next one's
+        self._every = desk_every_n_logs
+        if desk_every_n_logs and planned_logs is not None and max_pictures > 1:
+            # spread the in-fit pictures (one is kept for the end) over the fit, rather than spend them at its start
+            self._every = max(desk_every_n_logs, math.ceil(planned_logs / (max_pictures - 1)))
 
     def write_layout(self) -> None:
         """Write the custom-scalars layout (once per run)."""
@@ -214,18 +274,35 @@ class TensorBoardPanels:
         )
 
     def on_log(self, report: StepReport, step: int, budget_bytes: int | None = None) -> None:
-        """On a logging step: the desk picture every ``desk_every_n_logs``-th logging step, the first included.
+        """On a logging step: the desk and timeline pictures every ``desk_every_n_logs``-th logging step, the first
+        included, within the pictures' budget (see the class).
 
         Args:
             report: the step just logged.
             step: the logger's step, so that the picture lines up with the scalars.
             budget_bytes: the budget to draw, or None.
         """
-        every, self._logs = self.desk_every_n_logs, self._logs + 1
+        every, self._logs = self._every, self._logs + 1
         self._last_log = (report.step, step)
-        if every and (self._logs - 1) % every == 0:
-            self.guard.run("the desk picture", self._desk, report, step, budget_bytes, False)
-            self.guard.run("the timeline", self._timeline, report, step, budget_bytes, False)
+        if not every or (self._logs - 1) % every:
+            return
+        if not self._may_draw():
+            self.skipped += 1
+            return
+        start = self._clock()
+        self.guard.run("the desk picture", self._desk, report, step, budget_bytes, False)
+        self.guard.run("the timeline", self._timeline, report, step, budget_bytes, False)
+        self._cost_s = self._clock() - start
+        self.drawing_s += self._cost_s
+        self.pictures += 1
+
+    def _may_draw(self) -> bool:
+        """Whether an in-fit pair fits the budget: never the one kept for the end of fit; else while the time spent
+        drawing, the next pair included, stays within the share of the time since the start."""
+        if self.pictures >= self.max_pictures - 1:
+            return False
+        elapsed = self._clock() - self._started
+        return self.drawing_s + self._cost_s <= self.max_drawing_share * elapsed
 
     def on_fit_end(
         self,
@@ -246,11 +323,13 @@ class TensorBoardPanels:
                 None: each report's table.
         """
         if desk is not None:
+            start = self._clock()
             self.guard.run("the desk picture", self._desk, desk, self._logger_step(desk, step), budget_bytes, True)
             self.guard.run("the timeline", self._timeline, desk, self._logger_step(desk, step), budget_bytes, True)
             first = reports[0] if reports else None
             if first is not None and first.step != desk.step and first.peak_bytes is not None:
                 self.guard.run("the desk picture", self._desk_first, first, budget_bytes)
+            self.drawing_s += self._clock() - start
         if reports:
             self.guard.run(
                 "the text summary", self._summary, reports, self._logger_step(reports[-1], step), budget_bytes, summary
@@ -278,32 +357,37 @@ class TensorBoardPanels:
         return tag(name, separator=self.separator)
 
     def _desk(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
-        figure = desk_figure(report, budget_bytes)
+        if report.step == self._drawn and not save:
+            return
+        pixels = figure_rgb(desk_figure(report, budget_bytes))  # rendered once, for the event and the PNG
         if report.step != self._drawn:
             self._drawn = report.step
-            self._each("add_image", self._tag(DESK), figure_rgb(figure), step, dataformats="HWC")
+            self._each("add_image", self._tag(DESK), pixels, step, dataformats="HWC")
         if save:
-            self._save(figure, DESK_PNG)
+            self._save(pixels, DESK_PNG)
 
     def _timeline(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
         line = timeline_of(report)
         if line is None:  # a step the live-tensor tracker did not measure (or a CUDA run): no timeline
             return
-        figure = timeline_figure(line, budget_bytes)
+        if report.step == self._timeline_drawn and not save:
+            return
+        pixels = figure_rgb(timeline_figure(line, budget_bytes))
         if report.step != self._timeline_drawn:
             self._timeline_drawn = report.step
-            self._each("add_image", self._tag(TIMELINE), figure_rgb(figure), step, dataformats="HWC")
+            self._each("add_image", self._tag(TIMELINE), pixels, step, dataformats="HWC")
         if save:
-            self._save(figure, TIMELINE_PNG)
+            self._save(pixels, TIMELINE_PNG)
 
     def _desk_first(self, report: StepReport, budget_bytes: int | None) -> None:
         """The first step's desk, where the optimizer state appears, saved beside the last step's."""
-        self._save(desk_figure(report, budget_bytes), DESK_FIRST_PNG)
+        self._save(figure_rgb(desk_figure(report, budget_bytes)), DESK_FIRST_PNG)
 
-    def _save(self, figure: Figure, name: str) -> None:
+    def _save(self, pixels: np.ndarray, name: str) -> None:
+        """The rendered pixels as a PNG in each log dir (no second rendering, as ``savefig`` would do)."""
         for directory in self.log_dirs:
             directory.mkdir(parents=True, exist_ok=True)
-            figure.savefig(directory / name, format="png")
+            imsave(directory / name, pixels, format="png")
 
     def _summary(
         self, reports: Sequence[StepReport], step: int, budget_bytes: int | None, summary: str | None = None
