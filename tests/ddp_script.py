@@ -93,9 +93,20 @@ class Tokens(L.LightningModule):
         return DataLoader(TensorDataset(tokens), batch_size=8)
 
 
+class OwnAnswers(L.Callback):
+    """This rank's own largest batch after each step (listed after the callback, so its step has ended)."""
+
+    def __init__(self, cb: MemoryTenantsCallback) -> None:
+        self.cb, self.answers = cb, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.answers.append(self.cb.max_batch_size(self.cb.budget))
+
+
 def fit_budget() -> dict[str, Any]:
     """Both ranks under a 4 MiB budget: each rank's own largest batch, and what rank zero logged."""
     cb = MemoryTenantsCallback(print_summary=False, budget_bytes="4MiB")
+    probe = OwnAnswers(cb)
     logger = RecordingLogger()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -104,7 +115,7 @@ def fit_budget() -> dict[str, Any]:
         max_steps=2,
         log_every_n_steps=1,
         logger=logger,
-        callbacks=[cb],
+        callbacks=[cb, probe],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -112,6 +123,7 @@ def fit_budget() -> dict[str, Any]:
     trainer.fit(Tokens())
     return {
         "own": cb.max_batch_size(cb.budget),  # with an argument: this rank's answer
+        "own_steps": probe.answers,  # this rank's answer after each step
         "all": cb.max_batch_size(),  # without: the minimum over ranks, logged last
         "logged": [metrics.get("memtenants/max_batch_size") for _, metrics in logger.logged],
     }

@@ -243,7 +243,7 @@ def test_state_dict_keeps_forecast_and_leak_baseline() -> None:
     make_trainer([cb], steps=4).fit(Wide(), wide_loader(batch_size=256))
     again = MemoryTenantsCallback(budget_bytes="64MiB")
     again.load_state_dict(cb.state_dict())
-    # the lines come back; the exact answers (dry runs of the step) belong to the run that measured them
+    # the lines come back; the scaled step (a measured step's timeline) belongs to the run that measured it
     assert again.forecast.exact is None and cb.forecast.exact is not None
     assert again.predict_peak_bytes(512) == cb.forecast.predict_for_elements(512 * 8)
     assert again.forecast.line_batch_size("64MiB") == cb.forecast.line_batch_size("64MiB")

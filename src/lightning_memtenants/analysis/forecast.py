@@ -16,10 +16,12 @@ and in its forward the previous step's gradients, which a later step still holds
 tenants.
 
 A line is a guess: a window's peak is a maximum of linear pieces in the batch, and the piece
-that leads at the measured size need not lead at the answer. Where an exact answer is at hand
-(:attr:`PeakForecast.exact`: dry runs of the step, see ``predict.dryrun.sweep`` and the
-callback), :meth:`PeakForecast.max_batch_size` and :meth:`PeakForecast.predict_peak_bytes`
-give it, and the line only seeds the search.
+that leads at the measured size need not lead at the answer. Where better answers are at hand
+(:attr:`PeakForecast.exact`), :meth:`PeakForecast.max_batch_size` and
+:meth:`PeakForecast.predict_peak_bytes` give them, and the line only seeds the search. Two kinds
+give them: dry runs of the step (``predict.dryrun.sweep``, and the callback's ``exact=True`` after
+fit), and :class:`ScaledStep`, a measured step's own timeline with its batch-proportional bytes
+scaled, which runs nothing (the callback's answers during a fit, on the CPU).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import positive_int, positive_number
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.core.timeline import StepTimeline, upper_envelope
 from lightning_memtenants.units import parse_bytes
 
 # The windows before the optimizer step, which a first step runs without the optimizer state its step creates.
@@ -40,7 +43,8 @@ UNBOUNDED = 2**31 - 1
 
 
 class ExactPeaks(Protocol):
-    """Exact answers for one batch shape, by dry runs of the step (``predict.dryrun``), that a forecast gives first.
+    """Answers for one batch shape that a forecast gives before its lines: by dry runs of the step
+    (``predict.dryrun``), or scaled from a measured step's timeline (:class:`ScaledStep`).
 
     Attributes:
         elements_per_sample: input elements per sample of the batch shape the answers are for.
@@ -86,6 +90,91 @@ def first_step_shortfall(report: StepReport) -> dict[str, int]:
     if "before_backward" in out:
         out["before_backward"] += max(gradients - start.tenants_bytes["gradients"], 0)
     return {name: extra for name, extra in out.items() if extra}
+
+
+class ScaledStep:
+    """A measured step's peak at any batch size, scaled from its own timeline: no dry run, nothing run again.
+
+    At every event of the step's phase windows the timeline splits the live bytes into a fixed part ``F`` and a part
+    ``S`` that grows in proportion to the batch (:attr:`~lightning_memtenants.core.timeline.StepTimeline.scaling`:
+    the batch's own storages, the activations, the forward's and backward's temporaries). The peak at ``b``
+    samples is then ``max(F + S * b / b0)`` over the events, ``b0`` the measured batch's samples; only the upper
+    envelope of the ``(F, S)`` pairs is kept. A first optimizer step (no optimizer state before its ``step()``,
+    no previous gradients in its forward) is projected to the steady state window by window
+    (:func:`first_step_shortfall`). An allocation read as growing that does not (a parameter-sized temporary of
+    backward) makes the projection higher above the measured batch than the truth, never lower: the largest batch
+    it gives is never above the truth. Where the step's ops change with the batch size (a value read to pick a
+    path), the scaled step knows only the path it measured.
+
+    Args:
+        envelope: per window, the ``(F, S)`` pairs (``StepTimeline.scaling``).
+        samples: ``b0``, the measured batch's samples (its leading size), a positive integer.
+        elements_per_sample: the measured batch's input elements per sample, the shape the answers are for.
+        shortfall: bytes to add to each window's fixed part (:func:`first_step_shortfall`); ``batch_start``'s
+            state takes ``before_backward``'s.
+
+    Attributes:
+        points: the upper envelope of the projected ``(F, S)`` pairs, by ``S`` ascending.
+        samples: ``b0``.
+        elements_per_sample: as given.
+
+    Raises:
+        ValueError: if ``samples`` is not a positive integer or ``envelope`` holds no pair.
+    """
+
+    def __init__(
+        self,
+        envelope: dict[str, list[tuple[int, int]]],
+        samples: int,
+        elements_per_sample: float,
+        shortfall: dict[str, int] | None = None,
+    ) -> None:
+        self.samples = positive_int(samples, "samples")
+        self.elements_per_sample = float(elements_per_sample)
+        shortfall = shortfall or {}
+        points: list[tuple[int, int]] = []
+        for window, pairs in envelope.items():
+            extra = shortfall.get("before_backward" if window == "batch_start" else window, 0)
+            points.extend((fixed + extra, scaling) for fixed, scaling in pairs)
+        self.points = upper_envelope(points)
+        if not self.points:
+            raise ValueError("envelope must hold at least one (fixed, scaling) pair of a phase window")
+
+    @classmethod
+    def from_step(cls, report: StepReport, timeline: StepTimeline, samples: int, elements_per_sample: float) -> Any:
+        """The scaled step of a measured step, projected to the steady state where it is a first optimizer step.
+
+        Args:
+            report: the step's report (its per-phase tenants give the first step's shortfall).
+            timeline: the step's timeline (``timeline_of(report)``).
+            samples: the step's batch size (the last micro-batch's samples).
+            elements_per_sample: the batch's input elements per sample.
+
+        Returns:
+            The :class:`ScaledStep`, or None where the timeline holds no window.
+        """
+        if not timeline.scaling:
+            return None
+        return cls(timeline.scaling, samples, elements_per_sample, first_step_shortfall(report))
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """The steady-state step's peak at ``batch_size`` samples: ``max(F + S * b / b0)``, rounded up."""
+        b = positive_int(batch_size, "batch_size")
+        return max(fixed + -(-scaling * b // self.samples) for fixed, scaling in self.points)
+
+    def largest(self, limit_bytes: int, guess: int | None = None) -> int:
+        """The largest batch whose steady-state peak is at most ``limit_bytes``, in closed form.
+
+        ``min(floor((limit - F) * b0 / S))`` over the points that grow; 0 where a fixed part alone passes the limit,
+        ``2**31 - 1`` where nothing grows. ``guess`` is not needed and is ignored (the protocol's).
+        """
+        best = UNBOUNDED
+        for fixed, scaling in self.points:
+            if fixed > limit_bytes:
+                return 0
+            if scaling > 0:
+                best = min(best, (limit_bytes - fixed) * self.samples // scaling)
+        return max(best, 0)
 
 
 def limit_bytes(budget_bytes: int | str | float, margin: float = 0.05) -> int:

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lightning_memtenants._private import hidden_from_function_modes
+
 # The layers of the stack, bottom first; the last is everything the tenants do not name.
 LAYERS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 LAYER_LABELS: dict[str, str] = {
@@ -44,6 +46,12 @@ RESIDENT = "resident at batch_start"
 # The key of :meth:`TimelineRecorder.mark`'s tenants that holds autocast's saved casts of weights: in the
 # activations layer of the stack, but a named part (``autocast_cache``) of the census, not the activations tenant.
 CASTS = "autocast_cache"
+# The key of :meth:`TimelineRecorder.mark`'s tenants that holds, at ``batch_start``, the batch's own storages: they grow
+# with the batch (:attr:`StepTimeline.scaling`), though the stack draws them with the temporaries.
+BATCH = "batch"
+# The marks that end a micro-batch's forward and backward: what is allocated from its ``batch_start`` to the first of
+# them, and is no tenant, is a temporary of the forward or backward, which grows with the batch.
+_END_OF_BACKWARD = ("after_backward", "before_optimizer_step", "batch_end")
 _STAMP = "memtenants_module"
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 # The owner of an activation allocated while no module's forward ran (a loss computed outside the model).
@@ -89,6 +97,14 @@ class StepTimeline:
             owning module, every module, largest first; empty where the step had no ``before_backward``.
         module_paths: whether the recorder followed the model's modules (hooks on them); where it did not, no
             operator has a module path, and both splits by module are empty.
+        scaling: per phase window (named by the phase that ends it, ``batch_start`` for what was resident), the
+            upper envelope of ``(fixed, scaling)`` byte pairs over the window's events: at each event the live bytes
+            split into a part that stays at any batch size (weights, gradients, optimizer state, what was resident
+            before the step but the batch, temporaries of the optimizer step) and a part that grows in proportion
+            to the batch (the batch's own storages, the activations, the temporaries of the forward and backward).
+            The step's peak at ``k`` times the batch is at most ``max(fixed + k * scaling)`` over every window's
+            points, and it is the measured peak at ``k = 1``; only the few points that can lead at some ``k > 0``
+            are kept. Empty where no phase window was recorded.
     """
 
     step: int
@@ -112,6 +128,7 @@ class StepTimeline:
     activations_at_peak_bytes: dict[str, int] = field(default_factory=dict)
     activations_before_backward_bytes: dict[str, int] = field(default_factory=dict)
     module_paths: bool = False
+    scaling: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def peak_label(self) -> str:
@@ -198,6 +215,7 @@ class TimelineRecorder:
         self._stack: list[tuple[str, list[Any]]] = []
         self._hooks: list[Any] = []
         self._tracker: Any = None
+        self._batch_indices: set[int] = set()
 
     # -- the tracker's side ---------------------------------------------------------------------
 
@@ -276,7 +294,7 @@ class TimelineRecorder:
         codes = np.asarray(self._trace, dtype=np.int64)
         ops = np.asarray(self._trace_ops, dtype=np.int64)
         sizes = np.asarray([a[1] for a in self._allocs], dtype=np.int64)
-        layer, saved = self._classify()
+        layer, saved, casts = self._classify()
         index = np.abs(codes) - 1
         signs = np.where(codes > 0, 1, -1)
         deltas = np.zeros((n, len(LAYERS)), dtype=np.int64)
@@ -327,6 +345,7 @@ class TimelineRecorder:
         if self._module_paths:  # without them every storage would read as made outside any module
             at_peak, before_backward = self._activations_by_module(codes, saved, best, labels)
         phases = [(phase, op_at, int(totals[p - 1]) if p > 0 else 0) for phase, p, op_at, _ in self._marks]
+        scaling = self._scaling(codes, sizes, layer, casts, candidates)
         trace: list[tuple[str, int, int]] = []
         allocations: list[tuple[int, str, str, int]] = []
         resident: list[int] = []
@@ -364,7 +383,61 @@ class TimelineRecorder:
             activations_at_peak_bytes=at_peak,
             activations_before_backward_bytes=before_backward,
             module_paths=self._module_paths,
+            scaling=scaling,
         )
+
+    def _scaling(
+        self, codes: np.ndarray, sizes: np.ndarray, layer: np.ndarray, casts: np.ndarray, candidates: np.ndarray
+    ) -> dict[str, list[tuple[int, int]]]:
+        """Per phase window, the upper envelope of the ``(fixed, scaling)`` live bytes at its candidate events.
+
+        An allocation grows with the batch where it is the batch's own storage (marked at a ``batch_start``), an
+        activation, or a temporary (no tenant at any boundary) allocated between a ``batch_start`` and the end of
+        that micro-batch's backward; every other allocation (a weight, a gradient, the optimizer state, autocast's
+        casts of weights, what was resident before the step, a temporary of the optimizer step) is fixed. An
+        allocation wrongly read as growing (a parameter-sized temporary of backward) only raises the projection
+        above the measured batch: the answers it gives stay on the safe side.
+        """
+        n = len(codes)
+        if not n or not len(candidates) or not self._allocs:
+            return {}
+        positions = np.arange(n, dtype=np.int64)
+        allocated = np.full(len(self._allocs), n, dtype=np.int64)
+        allocated[codes[codes > 0] - 1] = positions[codes > 0]
+        forward_backward = np.zeros(n + 1, dtype=bool)
+        start = None
+        for phase, position, _, _ in self._marks:
+            if phase == "batch_start":
+                start = position
+            elif start is not None and phase in _END_OF_BACKWARD:
+                forward_backward[start:position] = True
+                start = None
+        temporaries = layer == len(LAYERS) - 1
+        grows = (layer == LAYERS.index("activations")) | (temporaries & forward_backward[allocated])
+        grows = (grows & ~casts) | self._batch_allocations()
+        index = np.abs(codes) - 1
+        signs = np.where(codes > 0, 1, -1) * sizes[index]
+        growing = grows[index]
+        scaling = np.cumsum(np.where(growing, signs, 0))
+        steady = np.cumsum(np.where(growing, 0, signs))
+        bounds = np.asarray([position for _, position, _, _ in self._marks], dtype=np.int64)
+        window = np.searchsorted(bounds, candidates, side="right")  # the first mark after each event
+        out: dict[str, list[tuple[int, int]]] = {}
+        for mark in np.unique(window):
+            if mark >= len(self._marks):
+                continue
+            chosen = candidates[window == mark]
+            name = self._marks[int(mark)][0]
+            points = [*out.get(name, []), *zip(steady[chosen].tolist(), scaling[chosen].tolist(), strict=True)]
+            out[name] = upper_envelope(points)
+        return out
+
+    def _batch_allocations(self) -> np.ndarray:
+        """Whether each allocation is a batch's own storage: live at a ``batch_start`` under the ``BATCH`` key."""
+        out = np.zeros(len(self._allocs), dtype=bool)
+        for index in self._batch_indices:
+            out[index] = True
+        return out
 
     def _activations_by_module(
         self, codes: np.ndarray, saved: list[list[int]], best: int, labels: dict[int, tuple[Any, str]]
@@ -400,11 +473,15 @@ class TimelineRecorder:
             out[owner] = out.get(owner, 0) + self._exact.get(index, nbytes)
         return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
-    def _classify(self) -> tuple[np.ndarray, list[list[int]]]:
-        """Each allocation's layer: a tenant whose tensors held it at a phase boundary, else temporaries; and per
+    def _classify(self) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
+        """Each allocation's layer: a tenant whose tensors held it at a phase boundary, else temporaries; per
         mark, the allocations that were the activations tenant there, as the census counts it (saved for backward,
-        and none of the other tenants' storages nor autocast's casts at that boundary)."""
+        and none of the other tenants' storages nor autocast's casts at that boundary); and whether each allocation
+        was one of autocast's casts of weights at a boundary (a fixed size, whatever the batch). The batch's own
+        storages at each ``batch_start`` go to ``_batch_indices``."""
         layer = np.full(len(self._allocs), len(LAYERS) - 1, dtype=np.int64)
+        casts = np.zeros(len(self._allocs), dtype=bool)
+        self._batch_indices = set()
         saved: list[list[int]] = []
         marks = iter(self._marks)
         mark = next(marks, None)
@@ -420,6 +497,10 @@ class TimelineRecorder:
                 others = set().union(*(tenants.get(name, ()) for name in (*LAYERS[:3], CASTS)))
                 found = {live[key] for key in tenants.get("activations", ()) if key in live and key not in others}
                 saved.append(sorted(found))
+                for key in tenants.get(CASTS, ()):
+                    if key in live:
+                        casts[live[key]] = True
+                self._batch_indices.update(live[key] for key in tenants.get(BATCH, ()) if key in live)
                 mark = next(marks, None)
             if position == len(self._trace):
                 break
@@ -430,7 +511,7 @@ class TimelineRecorder:
                 key = self._allocs[-code - 1][0]
                 if live.get(key) == -code - 1:
                     del live[key]
-        return layer, saved
+        return layer, saved, casts
 
     # -- module paths ---------------------------------------------------------------------------
 
@@ -441,7 +522,8 @@ class TimelineRecorder:
         if path is None:
             path = (self._stack[-1][0] + "." if self._stack else "") + type(module).__name__
         path = path or type(module).__name__
-        self._stack.append((path, [t.grad_fn for t in _tensors(args) if t.grad_fn is not None]))
+        with hidden_from_function_modes():  # ``grad_fn`` reads a user's TorchFunctionMode would see
+            self._stack.append((path, [t.grad_fn for t in _tensors(args) if t.grad_fn is not None]))
         self.where = path
 
     def _forward_out(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -450,7 +532,8 @@ class TimelineRecorder:
         path, boundary = self._stack.pop()
         self.where = self._stack[-1][0] if self._stack else ""
         if torch.is_grad_enabled():
-            self._stamp([t.grad_fn for t in _tensors(output) if t.grad_fn is not None], path, boundary)
+            with hidden_from_function_modes():
+                self._stamp([t.grad_fn for t in _tensors(output) if t.grad_fn is not None], path, boundary)
 
     def _stamp(self, roots: list[Any], path: str, boundary: list[Any]) -> None:
         """Name the autograd nodes this module's forward made (back to its inputs' nodes) for backward."""
@@ -533,7 +616,8 @@ _TIMELINES: dict[int, tuple[weakref.ref, StepTimeline]] = {}
 def keep_timeline(report: Any, timeline: StepTimeline) -> None:
     """Keep ``timeline`` as the timeline of ``report``, for as long as the report lives."""
     key = id(report)
-    _TIMELINES[key] = (weakref.ref(report, lambda _: _TIMELINES.pop(key, None)), timeline)
+    # the callback is ``dict.pop(key, ref)``, in C: no Python code runs in it, where a Ctrl+C would be swallowed
+    _TIMELINES[key] = (weakref.ref(report, functools.partial(_TIMELINES.pop, key)), timeline)
 
 
 def timeline_of(report: Any) -> StepTimeline | None:
@@ -550,6 +634,7 @@ def tenant_keys(
     state: Iterable[Tensor],
     saved: Iterable[Any],
     casts: Iterable[Any] = (),
+    batch: Iterable[Tensor] = (),
 ) -> dict[str, list[int]]:
     """The storage keys (as the tracker keys them) of each known tenant, for :meth:`TimelineRecorder.mark`.
 
@@ -560,9 +645,11 @@ def tenant_keys(
         saved: the storages autograd saved for backward, autocast's casts included (the stack's activations).
         casts: of those, autocast's casts of weights: the ``autocast_cache`` part, left out of the activations
             split by module.
+        batch: at ``batch_start``, the batch's tensors, whose storages grow with the batch
+            (:attr:`StepTimeline.scaling`).
 
     Returns:
-        The keys by tenant, and the casts' under ``CASTS``.
+        The keys by tenant, the casts' under ``CASTS`` and the batch's under ``BATCH``.
     """
     return {
         "weights": [id(t.untyped_storage()) for t in weights if t.layout is torch.strided],
@@ -570,4 +657,36 @@ def tenant_keys(
         "optimizer_state": [id(t.untyped_storage()) for t in state if t.layout is torch.strided],
         "activations": [id(s) for s in saved],
         CASTS: [id(s) for s in casts],
+        BATCH: [id(t.untyped_storage()) for t in batch if t.layout is torch.strided],
     }
+
+
+def upper_envelope(points: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pairs ``(fixed, scaling)`` whose line ``fixed + k * scaling`` is the highest for some ``k >= 0``.
+
+    ``max(fixed + k * scaling)`` over the kept pairs equals the maximum over all of them, for every ``k >= 0``.
+
+    Args:
+        points: ``(fixed, scaling)`` pairs of bytes.
+
+    Returns:
+        The kept pairs, by ``scaling`` ascending (and ``fixed`` descending): a handful where the input has thousands.
+    """
+    pairs = np.asarray(list(points), dtype=np.int64).reshape(-1, 2)
+    if not len(pairs):
+        return []
+    order = np.lexsort((-pairs[:, 0], -pairs[:, 1]))  # scaling descending, then fixed descending
+    ranked = pairs[order]
+    before = np.maximum.accumulate(np.concatenate(([np.iinfo(np.int64).min], ranked[:-1, 0])))
+    front = ranked[ranked[:, 0] > before][::-1]  # no pair has both more fixed and at least as much scaling bytes
+    hull: list[tuple[int, int]] = []
+    for fixed, scaling in front.tolist():
+        while len(hull) >= 2:
+            (f1, s1), (f2, s2) = hull[-2], hull[-1]
+            # the middle line leads nowhere where the outer two cross before it overtakes the first
+            if (f1 - fixed) * (s2 - s1) <= (f1 - f2) * (scaling - s1):
+                hull.pop()
+            else:
+                break
+        hull.append((int(fixed), int(scaling)))
+    return hull

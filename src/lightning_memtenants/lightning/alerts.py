@@ -1,16 +1,20 @@
 """Warnings before an OOM: projections of the step's peak against the budget, the forecast, and leaks.
 
-And the one answer to "what is the largest batch": dry runs of the run's own step (``predict.dryrun``),
-calibrated by a measured step, where they can run (:class:`StepSearch`); the forecast's lines elsewhere.
+And the answers to "what is the largest batch". During a fit they come from what the measured steps recorded and run
+nothing of the user's: on the CPU, a measured step's timeline with its batch-proportional bytes scaled
+(``analysis.forecast.ScaledStep``); elsewhere (CUDA: no timeline) the forecast's lines. Exact answers by dry runs of
+the run's own step under fake tensors (``predict.dryrun``, :class:`StepSearch`) run only when asked for, outside the
+fit (``exact=True``), on a meta copy of the model made then.
 """
 
 from __future__ import annotations
 
-import copy
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -18,25 +22,35 @@ from torch import Tensor, nn
 from lightning_memtenants.analysis.budget import Budget, MemoryBudgetError
 from lightning_memtenants.analysis.engines import is_dtensor
 from lightning_memtenants.analysis.fixes import first_step_jump_bytes
-from lightning_memtenants.analysis.forecast import PeakForecast, first_step_shortfall
+from lightning_memtenants.analysis.forecast import PeakForecast, ScaledStep, first_step_shortfall, limit_bytes
 from lightning_memtenants.analysis.leaks import LeakDetector
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
-from lightning_memtenants.core.storage import batch_tensors, tensors_in
+from lightning_memtenants.core.storage import batch_tensors
+from lightning_memtenants.core.timeline import timeline_of
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.predict.advise import Advice, advise
 from lightning_memtenants.predict.cuda_model import resolve_target
 from lightning_memtenants.predict.dryrun import sweep
-from lightning_memtenants.predict.fake import PRECISIONS
+from lightning_memtenants.predict.fake import PRECISIONS, copy_module
 from lightning_memtenants.predict.values import KNOWN_ELEMENTS
-from lightning_memtenants.units import MiB, mib
+from lightning_memtenants.units import MiB
 
 # The parts this component runs under its guard; each is disabled on its own.
 FORECAST, LEAKS = "the forecast", "leak detection"
-EXACT = "the exact largest batch (dry runs of the step)"
+SCALED = "the largest batch scaled from the measured step"
 LARGEST = "the largest batch"
 MEASURED = "the fixes by dry runs of the step"
+# How the in-fit answers are found, in words (the summary's line).
+HOW_SCALED = "scaled from a measured step's own allocations (no dry run)"
+HOW_LINES = "from the forecast's lines"
+# What an in-fit budget warning says of the measured fixes, with ``measure_fixes``.
+ADVISE_HINT = (
+    "these fixes are estimates; for fixes measured by dry runs of the step (under fake tensors, never inside the fit)"
+    " call MemoryTenantsCallback.advise() after fit; an out-of-memory error's postmortem measures them after the fit"
+    " has failed"
+)
 # (elements, bytes, samples) of a batch: the forecast's measure of its size
 BatchSize = tuple[int, int, int]
 
@@ -49,9 +63,9 @@ class Alerts:
         margin: the fraction of a budget kept free for allocator rounding.
         strict: raise :class:`MemoryBudgetError` where the first optimizer step is projected not to fit.
         warn: how a warning is given (rank zero's).
-        measure_fixes: at the first warning, measure the fixes for the run's step by dry runs
-            (``predict.advise``) and warn with them once the step is over (the tracker paused); the batch under
-            way is referenced until its step ends, for that and for the postmortem.
+        measure_fixes: measure the fixes for the run's step by dry runs (``predict.advise``) in an out-of-memory
+            postmortem, after the fit has failed (never inside the fit: a budget warning says how to get them,
+            :meth:`advise`); the batch under way is referenced until its step ends, for the postmortem.
 
     Attributes:
         budget: the run's budget, or None.
@@ -81,11 +95,15 @@ class Alerts:
         self._step: _StepSetup | None = None
         self._why: str | None = "no model attached"  # why no dry run can stand for the run's step, or None
         self._current: Any = None  # with measure_fixes: the batch of the step under way, until the step ends
-        self._advise = "none"  # "none", "pending" (at the next step end), "done"
-        self._advice: tuple[tuple[int, BatchShape], Advice] | None = None  # the last advice, by batch size and shape
+        self._measured: MeasuredBatch | None = None  # the last measured batch, described: what exact=True runs
+        self._search: StepSearch | None = None  # the exact answers for ``_measured``, made at the first exact=True
+        # the last advice, by budget, batch size and shape
+        self._advice: tuple[tuple[int, int, BatchShape], Advice] | None = None
 
     def attach(self, module: nn.Module, *, precision: str, device: torch.device, strategy: Any = None) -> str | None:
-        """The run's module, whose step dry runs answer the largest batch exactly; None detaches it.
+        """The run's module, whose step dry runs answer exactly when asked (``exact=True``, outside the fit).
+
+        Nothing is copied and nothing runs here: only a weak reference and the settings are kept.
 
         Args:
             module: the LightningModule (a weak reference is kept: a finished run holds no model).
@@ -96,11 +114,11 @@ class Alerts:
         Returns:
             Why dry runs cannot answer for this run (the lines answer then), or None where they can.
         """
-        self._step, self.forecast.exact = None, None
+        self._step, self.forecast.exact, self._measured, self._search = None, None, None, None
         why = _unsupported(module, precision, device, strategy)
         if why is None:
             self._step = _StepSetup(weakref.ref(module), precision, _target(device))
-        self._why, self._advise = why, "none"
+        self._why = why
         return why
 
     def set_budget(self, budget_bytes: int | None) -> None:
@@ -184,57 +202,85 @@ class Alerts:
     def step_end(self, report: StepReport, batch: Any = None) -> None:
         """Feed a measured step to the forecast and the leak detector, and warn once of a leak.
 
+        Nothing runs but arithmetic on what the step recorded: where its timeline was recorded (the live-tensor
+        tracker, with a budget), it becomes the forecast's answers for its batch shape (:class:`ScaledStep`), where
+        its samples are at least as long as any before.
+
         Args:
             report: the step; one whose peak was not measured is ignored.
-            batch: the step's (last) batch, given on logging steps: a batch of a new shape, with samples at
-                least as long as any before, becomes the shape the exact answers are for (calibrated by this
-                step); None keeps the shape.
+            batch: the step's (last) batch, given on logging steps: described without a torch operator (shapes and
+                dtypes, integer tensors' values) for the exact answers asked after fit; None keeps the last.
         """
         try:
-            if self._advise == "pending":  # the step is over and the tracker paused: dry runs may run now
-                self._advise = "done"
-                self._warn_measured()
             self._step_end(report, batch)
         finally:
             self._current = None
 
     def advice(self) -> Advice | None:
-        """The fixes for the run's step, measured by dry runs (:meth:`_measure`); None where that failed.
+        """The fixes for the failed step, measured by dry runs after the fit has failed; None where that failed.
 
-        A failure warns once, and every later call answers None without trying again: the postmortem then holds
-        the estimates.
+        For the out-of-memory postmortem (``on_exception``): the batch under way (referenced with
+        ``measure_fixes``) at the trainer's precision and accumulation, for the run's device, against the run's
+        budget. A failure warns once, and every later call answers None without trying again: the postmortem then
+        holds the estimates.
 
         Returns:
             The advice, or None.
         """
-        return self.guard.run(MEASURED, self._measure)
+        return self.guard.run(MEASURED, self._measure_current)
 
-    def _measure(self) -> Advice:
-        """The fixes for the run's step, measured by dry runs of a copy of the module on the meta device.
-
-        The step is the batch under way (referenced with ``measure_fixes``) at the trainer's precision and
-        accumulation, for the run's device; the budget is the run's. It counts the step's own memory: what else the
-        process holds (the data set, another model) is not in it.
-
-        Returns:
-            The advice.
-
-        Raises:
-            ValueError: saying why no dry run can stand for the run's step (a sharded strategy, no budget, no batch).
-        """
-        setup, batch, budget = self._step, self._current, self.budget
-        if setup is None:
-            raise ValueError(f"the step cannot be dry-run: {self._why}")
-        if budget is None:
-            raise ValueError("there is no budget to measure the fixes against")
+    def _measure_current(self) -> Advice:
+        batch = self._current
         if batch is None or not any(t.dim() for t in batch_tensors(batch)):
             raise ValueError("no batch of the step under way to dry-run")
+        if self.budget is None:
+            raise ValueError("there is no budget to measure the fixes against")
+        return self._measure(BatchTemplate(batch), self.budget)
+
+    def advise(self, budget_bytes: int | None = None) -> Advice:
+        """The fixes for the last measured step, measured now by dry runs of the step under fake tensors.
+
+        Args:
+            budget_bytes: the budget in bytes; None uses the run's.
+
+        Returns:
+            The advice (``predict.advise.Advice``).
+
+        Raises:
+            RuntimeError: where no dry run can stand for the run's step (a sharded strategy, an unknown precision,
+                no measured batch, the model freed) or the dry runs failed.
+            ValueError: without a budget (none given and none for the run).
+        """
+        total = budget_bytes if budget_bytes is not None else (self.budget.total_bytes if self.budget else None)
+        if total is None:
+            raise ValueError("advise needs a budget: pass budget_bytes, or give the callback one")
+        measured = self._measured
+        if measured is None:
+            raise RuntimeError("advise dry-runs the last measured batch, and no step has been measured yet")
+        try:
+            return self._measure(measured.template, Budget(total, self.margin))
+        except RuntimeError:
+            raise
+        except Exception as error:
+            raise RuntimeError(f"advise: the dry runs of the step failed ({type(error).__name__}: {error})") from error
+
+    def _measure(self, template: BatchTemplate, budget: Budget) -> Advice:
+        """The fixes for a step of ``template``'s batch, measured by dry runs of a meta copy of the module made now.
+
+        At the trainer's precision and accumulation, for the run's device. It counts the step's own memory: what
+        else the process holds (the data set, another model) is not in it.
+
+        Raises:
+            RuntimeError: saying why no dry run can stand for the run's step (a sharded strategy, the model freed).
+        """
+        setup = self._step
+        if setup is None:
+            raise RuntimeError(f"the step cannot be dry-run: {self._why}")
         module = setup.module()
         if module is None:
-            raise ValueError("the model was freed, so its step cannot be run again")
-        template = BatchTemplate(batch)
-        key = (template.samples, template.shape)
-        if self._advice is not None and self._advice[0] == key:  # measured at the warning already
+            raise RuntimeError("the model was freed, so its step cannot be run again")
+        key = (budget.total_bytes, template.samples, template.shape)
+        if self._advice is not None and self._advice[0] == key:  # measured already
             return self._advice[1]
         trainer = getattr(module, "_trainer", None)  # the Trainer's accumulation, where one is attached
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
@@ -255,26 +301,14 @@ class Alerts:
         """Whether :meth:`advice` may be tried: ``measure_fixes``, a model a dry run can stand for, and a budget."""
         return self.measure_fixes and self._step is not None and self.budget is not None
 
-    def _warn_measured(self) -> None:
-        advice = self.advice()
-        if advice is None:
-            return
-        lines = [
-            f"memtenants: the fixes for the warning above, measured by dry runs of this step (two steps each, the peak"
-            f" against {mib(advice.limit_bytes)} MiB, the budget less the margin):"
-        ]
-        for fix in advice.fixes[:6]:
-            verdict = "fits" if fix.fits else "does not fit"
-            lines.append(f"  {fix.name}: peak {mib(fix.peak_bytes)} MiB, {verdict}; {fix.how}")
-        self._warn("\n".join(lines))
-
     def _step_end(self, report: StepReport, batch: Any) -> None:
         if report.peak_bytes is None:
             return
         elements, nbytes, samples = self._batch
         self.guard.run(FORECAST, self.forecast.observe, report, elements, nbytes, samples)
-        if batch is not None and self._step is not None:
-            self.guard.run(EXACT, self._new_shape, report, batch)
+        self.guard.run(SCALED, self._scale, report)
+        if batch is not None:
+            self.guard.run(FORECAST, self._describe, report, batch)
         start = report.micro_batches[0].get("batch_start")
         if start is not None and start.allocated_bytes is not None:
             leak = self.guard.run(LEAKS, self.leaks.observe, report.step, start)
@@ -321,8 +355,8 @@ class Alerts:
     def max_batch_size(self, budget_bytes: int | None = None, elements_per_sample: float | None = None) -> int | None:
         """The largest batch whose steady-state peak fits ``budget_bytes`` (else the run's budget) less the margin.
 
-        Exact by dry runs of the step where they can run (once per budget and batch shape; a failure warns once
-        and the forecast's lines answer from then on), else the lines'.
+        Scaled from a measured step's timeline where one was recorded (:class:`ScaledStep`: nothing runs), else the
+        forecast's lines. Exact answers by dry runs are :meth:`exact_max_batch_size`'s, asked for after fit.
 
         Args:
             budget_bytes: the budget in bytes; None uses the run's.
@@ -341,13 +375,13 @@ class Alerts:
         return self.guard.run(LARGEST, self.max_batch_size)
 
     def how_found(self) -> str:
-        """How :meth:`max_batch_size` answers now, in words."""
-        if isinstance(self.forecast.exact, StepSearch):
-            return "exact, by dry runs of the step"
-        return "from the forecast's lines"
+        """How :meth:`max_batch_size` answers now, in words: scaled from a measured step, or the forecast's lines."""
+        if isinstance(self.forecast.exact, ScaledStep):
+            return HOW_SCALED
+        return HOW_LINES
 
     def predict_peak_bytes(self, batch_size: int, elements_per_sample: float | None = None) -> int | None:
-        """The steady-state step's peak at ``batch_size`` samples: exact where dry runs can run, else the lines'.
+        """The steady-state step's peak at ``batch_size`` samples: scaled from a measured step, else the lines'.
 
         Args:
             batch_size: samples in the batch.
@@ -360,22 +394,99 @@ class Alerts:
             return None
         return self.forecast.predict_peak_bytes(batch_size, elements_per_sample)
 
-    def _new_shape(self, report: StepReport, batch: Any) -> None:
-        """A step search for ``batch``'s shape, where it is new and its samples are the longest yet."""
-        setup = self._step
-        if setup is None or not any(t.dim() for t in batch_tensors(batch)):  # a batch the forecast cannot size
+    def _scale(self, report: StepReport) -> None:
+        """The step's :class:`ScaledStep` becomes the forecast's answers, where its samples are the longest yet."""
+        timeline = timeline_of(report)
+        elements, _, samples = self._batch
+        if timeline is None or not elements or samples < 1:
+            return
+        per_sample = elements / samples
+        current = self.forecast.exact
+        if isinstance(current, ScaledStep) and per_sample < current.elements_per_sample:
+            return
+        scaled = ScaledStep.from_step(report, timeline, samples, per_sample)
+        if scaled is not None:
+            self.forecast.exact = scaled
+
+    def _describe(self, report: StepReport, batch: Any) -> None:
+        """Describe ``batch`` (no torch operator) for the exact answers after fit, where it is the longest yet."""
+        if not any(t.dim() for t in batch_tensors(batch)):  # a batch the forecast cannot size
             return
         shape = batch_shape(batch)
-        current = self.forecast.exact
-        if isinstance(current, StepSearch) and (
-            current.shape == shape or current.elements_per_sample > shape.elements_per_sample
-        ):
+        known = self._measured
+        if known is not None and known.shape != shape and known.shape.elements_per_sample > shape.elements_per_sample:
             return
-        self.forecast.exact = StepSearch(setup, batch, report, self.forecast, self._exact_failed)
+        first = bool(first_step_shortfall(report))
+        if known is not None and known.shape == shape and known.template.samples == shape.samples:
+            template = known.template  # the same shape and size: the values need not be read again
+        else:
+            template = BatchTemplate(batch)
+        self._measured = MeasuredBatch(template, report.peak_bytes or 0, first)
+        if self._search is not None and self._search.shape != shape:
+            self._search = None
 
-    def _exact_failed(self, error: BaseException) -> None:
-        self._step, self.forecast.exact = None, None
-        self.guard.disable(EXACT, error)
+    # -- exact answers, by dry runs: only when asked, outside the fit ---------------------------------------------
+
+    def exact_max_batch_size(self, budget_bytes: int | None = None, elements_per_sample: float | None = None) -> int:
+        """The largest batch whose steady-state peak fits the budget less the margin, by dry runs of the step now.
+
+        The step (``training_step`` and ``configure_optimizers``) runs under fake tensors on a meta copy of the
+        model made at the first call, two steps per size, for the last measured batch's shape; its peak at the
+        measured size is calibrated against the measured step's (the difference is what the process holds besides
+        the step). Each size's dry run and each budget's answer are kept.
+
+        Args:
+            budget_bytes: the budget in bytes; None uses the run's.
+            elements_per_sample: must be None or the measured batch's: the dry runs resize that batch only.
+
+        Returns:
+            The batch size.
+
+        Raises:
+            ValueError: without a budget, or for another ``elements_per_sample``.
+            RuntimeError: where no dry run can stand for the step, or it failed.
+        """
+        total = budget_bytes if budget_bytes is not None else (self.budget.total_bytes if self.budget else None)
+        if total is None:
+            raise ValueError("exact=True needs a budget: pass budget_bytes, or give the callback one")
+        search = self._exact_search(elements_per_sample)
+        limit = limit_bytes(total, self.margin)
+        guess = self.forecast.max_batch_size(total, margin=self.margin) if self.forecast.ready else None
+        return self._exact_call(search.largest, limit, guess)
+
+    def exact_peak_bytes(self, batch_size: int) -> int:
+        """The steady-state step's peak at ``batch_size`` samples, by a dry run of the step now (as above).
+
+        Raises:
+            RuntimeError: where no dry run can stand for the step, or it failed.
+        """
+        return self._exact_call(self._exact_search(None).peak_bytes, batch_size)
+
+    def _exact_search(self, elements_per_sample: float | None) -> StepSearch:
+        if self._step is None:
+            raise RuntimeError(f"exact=True: the step cannot be dry-run: {self._why}")
+        measured = self._measured
+        if measured is None:
+            raise RuntimeError("exact=True dry-runs the last measured batch, and no step has been measured yet")
+        wanted = measured.shape.elements_per_sample
+        if elements_per_sample is not None and not math.isclose(elements_per_sample, wanted):
+            raise ValueError(
+                f"elements_per_sample must be None or the measured batch's ({wanted:g}) with exact=True: the dry"
+                f" runs resize that batch; got {elements_per_sample!r}"
+            )
+        if self._search is None:
+            self._search = StepSearch(self._step, measured)
+        return self._search
+
+    def _exact_call(self, call: Callable[..., int], *args: Any) -> int:
+        try:
+            return call(*args)
+        except Exception as error:
+            if isinstance(error, (RuntimeError, ValueError)) and str(error).startswith("exact=True"):
+                raise
+            raise RuntimeError(
+                f"exact=True: the dry run of the step failed ({type(error).__name__}: {error})"
+            ) from error
 
     def _check(self, key: str, projected: int, what: str, fix: str, strict: bool = False) -> None:
         if self.budget is None or key in self._warned:
@@ -386,9 +497,12 @@ class Alerts:
         self._warned.add(key)
         if strict:
             raise MemoryBudgetError(message)
+        if self.measure_fixes:  # never a dry run inside the fit: the estimates, and how to get measured fixes
+            largest = self.guard.run(LARGEST, self.max_batch_size)
+            if largest is not None:
+                message += f"; the largest batch that fits, {self.how_found()}: {largest:,} samples"
+            message += f"\n  {ADVISE_HINT}"
         self._warn(message)
-        if self._advise == "none" and self.can_advise():
-            self._advise = "pending"
 
     def _project_backward(self, monitor: TenantMonitor) -> int | None:
         elements = self._batch[0]
@@ -523,11 +637,12 @@ class _Slot:
     def __init__(self, tensor: Tensor, samples: int) -> None:
         self.rows = tensor.dim() > 0 and int(tensor.shape[0]) == samples
         self.shape, self.dtype, self.samples = tuple(tensor.shape), tensor.dtype, samples
-        self.values = None
-        if not (tensor.is_meta or tensor.is_floating_point() or tensor.is_complex()):
-            try:  # a host copy outside torch: a CPU tensor kept here would count in every later step's "other"
-                self.values = tensor.detach().cpu().numpy().copy()
-            except (TypeError, RuntimeError):  # a dtype numpy lacks: a stand-in without values
+        self.values: np.ndarray | None = None
+        if tensor.device.type == "cpu" and not (tensor.is_floating_point() or tensor.is_complex()):
+            try:  # through DLPack, which dispatches no torch operator (``.numpy()`` and ``.detach()`` do: a user's
+                # dispatch mode would see them); a host copy outside torch, not counted as a tensor in later steps
+                self.values = np.from_dlpack(tensor).copy()
+            except (TypeError, RuntimeError, BufferError, ValueError):  # a dtype numpy lacks: no values
                 self.values = None
 
     def build(self, size: int) -> Tensor:
@@ -545,11 +660,12 @@ class _Slot:
 
 
 class BatchTemplate:
-    """The measured batch at any batch size, as a dry run takes it.
+    """The measured batch at any batch size, as a dry run takes it; made without a torch operator.
 
     Floating tensors become meta stand-ins (shape and dtype: a dry run needs no more); integer and boolean
-    tensors keep their values and repeat their rows, so that token ids and attention masks stay real and the
-    step takes the path it takes in training. Tensors without the batch dimension stay as they are.
+    CPU tensors keep their values (read through DLPack, no operator) and repeat their rows, so that token ids and
+    attention masks stay real and the step takes the path it takes in training; on another device they are
+    stand-ins too. Tensors without the batch dimension stay as they are.
 
     Args:
         batch: the measured batch, any nesting of tensors.
@@ -573,8 +689,9 @@ def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` on the meta device: every parameter, buffer and tensor attribute a stand-in of its shape.
 
     A dry run copies what it is given; copying the training module itself would copy for real the tensors it
-    holds besides its parameters (a data set kept as an attribute, say), and on a GPU keep its device. The
-    Trainer and Fabric attached are left out, as ``predict.fake.fake_module`` leaves them out, and a
+    holds besides its parameters (a data set kept as an attribute, say), and on a GPU keep its device. The copy
+    is ``predict.fake.copy_module``'s, as a dry run's fake copy is: containers are copied, every other object (a
+    numpy table, a Dataset) is shared, not copied. The Trainer and Fabric attached are left out, and a
     LightningModule's ``device`` is the CPU, where the dry run's fake tensors are.
 
     Args:
@@ -583,79 +700,68 @@ def meta_copy(module: nn.Module) -> nn.Module:
     Returns:
         The copy, which holds no memory.
     """
-    memo: dict[int, Any] = {}
 
     def meta(tensor: Tensor) -> Tensor:
-        plain = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-        return nn.Parameter(plain, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else plain
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
-    for tensor in (*module.parameters(), *module.buffers()):
-        if id(tensor) not in memo:
-            memo[id(tensor)] = meta(tensor)
-    for sub in module.modules():
-        for name in ("_trainer", "_fabric"):
-            attached = sub.__dict__.get(name)
-            if attached is not None:
-                memo[id(attached)] = None
-        for value in list(sub.__dict__.values()):
-            if not isinstance(value, nn.Module):
-                for tensor in tensors_in(value):
-                    if id(tensor) not in memo:
-                        memo[id(tensor)] = meta(tensor)
-    copied = copy.deepcopy(module, memo)
+    copied = copy_module(module, meta)  # containers copied, tensors on meta, every other object shared
     for sub in copied.modules():  # a LightningModule's ``device``: where a dry run's fakes live, as they are made
         if isinstance(sub.__dict__.get("_device"), torch.device):
             sub.__dict__["_device"] = torch.device("cpu")
     return copied
 
 
+class MeasuredBatch:
+    """The last measured batch, described for the exact answers after fit: its template and the measured step.
+
+    Args:
+        template: the batch (see :class:`BatchTemplate`).
+        peak_bytes: the measured step's peak.
+        first: whether the step was a first optimizer step (its dry run's first step is the one to compare).
+
+    Attributes:
+        shape: the batch's shape.
+    """
+
+    def __init__(self, template: BatchTemplate, peak_bytes: int, first: bool) -> None:
+        self.template, self.peak_bytes, self.first = template, peak_bytes, first
+        self.shape = template.shape
+
+
 class StepSearch:
     """Exact answers for one batch shape: dry runs of the run's own step, calibrated by a measured step.
 
-    A dry run (``predict.dryrun``) runs the LightningModule's own ``training_step`` and ``configure_optimizers``
-    under fake tensors, two steps, so that the steady state is what must fit: the first step holds no optimizer
-    state in its forward and backward, and no previous gradients in its forward. What the process holds besides
-    the step (the data set on the CPU, Lightning's constants, another model on the GPU) is the measured step's
-    peak less the dry run's peak at the measured size; it is taken off the budget. The model is copied at once, on
-    the meta device (no memory), so that an answer asked after fit needs nothing of the run; no dry run runs until
-    an answer is asked for, and each size's dry run and each budget's answer are kept.
-
-    The forecast's lines answer where this fails (it warns once, through ``failed``).
+    Made only where exact answers are asked for (``exact=True``), outside the fit. A dry run (``predict.dryrun``)
+    runs the LightningModule's own ``training_step`` and ``configure_optimizers`` under fake tensors, two steps, so
+    that the steady state is what must fit: the first step holds no optimizer state in its forward and backward,
+    and no previous gradients in its forward. What the process holds besides the step (the data set on the CPU,
+    Lightning's constants, another model on the GPU) is the measured step's peak less the dry run's peak at the
+    measured size; it is taken off the budget. The model is copied when this is made, on the meta device
+    (``meta_copy``); each size's dry run and each budget's answer are kept.
 
     Args:
-        setup: the module, precision and target.
-        batch: the measured batch (a resizable template of it is kept, see :class:`BatchTemplate`).
-        report: the measured step, whose peak calibrates.
-        forecast: the forecast whose lines answer after a failure.
-        failed: called with the error where a dry run fails; it detaches this search.
+        setup: the module (weakly held), precision and target.
+        measured: the measured batch and step.
+
+    Raises:
+        RuntimeError: if the model was freed.
 
     Attributes:
         shape: the measured batch's shape, the one the answers are for.
         elements_per_sample: its input elements per sample.
     """
 
-    def __init__(
-        self,
-        setup: _StepSetup,
-        batch: Any,
-        report: StepReport,
-        forecast: PeakForecast,
-        failed: Callable[[BaseException], Any],
-    ) -> None:
-        self.shape = batch_shape(batch)
+    def __init__(self, setup: _StepSetup, measured: MeasuredBatch) -> None:
+        self.shape = measured.shape
         self.elements_per_sample = self.shape.elements_per_sample
-        self._setup, self._forecast, self._failed = setup, forecast, failed
-        self._error: Exception | None = None  # what made the copies impossible, raised when an answer is asked for
-        try:  # now, while training holds the model and the batch: an answer asked after fit needs neither
-            module = setup.module()
-            if module is None:
-                raise RuntimeError("the model was freed, so its step cannot be run again")
-            self._template = BatchTemplate(batch)
-            self._model = meta_copy(module)
-        except Exception as error:
-            self._error = error
-        self._measured = report.peak_bytes
-        self._first = bool(first_step_shortfall(report))
+        self._setup = setup
+        module = setup.module()
+        if module is None:
+            raise RuntimeError("exact=True: the model was freed, so its step cannot be run again")
+        self._template = measured.template
+        self._model = meta_copy(module)
+        self._measured = measured.peak_bytes
+        self._first = measured.first
         self._exact: Any = None
         self._other = 0
         self._largest: dict[int, int] = {}
@@ -667,27 +773,18 @@ class StepSearch:
 
     def peak_bytes(self, batch_size: int) -> int:
         """The steady-state step's peak at ``batch_size`` samples, with what the process holds besides it."""
-        try:
-            return self._peaks().peak_bytes(batch_size) + self._other
-        except Exception as error:  # the user's step under fake tensors: the lines answer from now on
-            self._failed(error)
-            return self._forecast.predict_peak_bytes(batch_size) or 0
+        return self._peaks().peak_bytes(batch_size) + self._other
 
     def largest(self, limit_bytes: int, guess: int | None) -> int:
         """The largest batch whose steady-state peak, with what the process holds besides it, fits ``limit_bytes``."""
         if limit_bytes not in self._largest:
-            try:
-                self._largest[limit_bytes] = self._peaks().largest(limit_bytes - self._other, guess)
-            except Exception as error:  # the lines answer from now on
-                self._failed(error)
-                return guess if guess is not None else 0
+            peaks = self._peaks()
+            self._largest[limit_bytes] = peaks.largest(limit_bytes - self._other, guess)
         return self._largest[limit_bytes]
 
     def _peaks(self) -> Any:
         """The dry runs' exact answers (``sweep``'s), calibrated at the measured size on first use."""
         if self._exact is None:
-            if self._error is not None:
-                raise self._error
             size = self.shape.samples
             forecast, (prediction,) = sweep(
                 self._model,

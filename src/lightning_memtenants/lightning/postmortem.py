@@ -23,7 +23,7 @@ from lightning_memtenants.render.postmortem import postmortem_record, write_post
 # What the postmortem says of its fixes where no dry run measured them.
 ESTIMATED = (
     "estimated from the tenants at the failure, not measured; MemoryTenantsCallback(measure_fixes=True) measures"
-    " each fix by dry runs of the step"
+    " each fix by dry runs of the step after the fit has failed, and MemoryTenantsCallback.advise() after fit"
 )
 MEASURED = "the fixes by dry runs of the step"
 
@@ -45,8 +45,9 @@ class Postmortem:
     """Writes ``memtenants_oom.json`` and ``.txt`` when training runs out of memory; never talks to other ranks.
 
     Args:
-        directory: where the files go; ``None`` uses ``log_dir`` (read by the caller where every rank could),
-            else the working directory.
+        directory: where the files go; ``None`` uses ``log_dir`` (read by the caller where every rank could:
+            ``trainer.log_dir``, which without a logger is the trainer's ``default_root_dir``), else the working
+            directory.
         record_history: on CUDA, keep the allocator's history and dump it next to the postmortem.
         warn: how a failure of ours is reported.
 
@@ -179,7 +180,10 @@ class Postmortem:
             if measured is None:
                 note = "estimated: measuring them by dry runs of the step failed (warned)"
             else:
-                note = "measured for the step's own memory: what else the process holds is not in these peaks"
+                note = (
+                    "measured by dry runs of the failed step (under fake tensors) after the fit failed, never during"
+                    " it; for the step's own memory: what else the process holds is not in these peaks"
+                )
         record = postmortem_record(
             error=error,
             last_phase=last,
