@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
@@ -13,12 +15,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_memtenants._private import is_mock_optimizer
+from lightning_memtenants._private import hidden_from_function_modes, is_mock_optimizer
 from lightning_memtenants.analysis.engines import ddp_notes_and_part, precision_notes, scaler_part, sharding_notes
 from lightning_memtenants.checks import brief, describe_error, flag, positive_int, positive_number
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import MemorySource, TrackerSource, device_budget_bytes, source_for
+from lightning_memtenants.core.tracker import raise_pending
 from lightning_memtenants.lightning.alerts import Alerts
 from lightning_memtenants.lightning.logs import Logs
 from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memory
@@ -31,8 +34,23 @@ from lightning_memtenants.units import parse_bytes
 if TYPE_CHECKING:
     from lightning_memtenants.analysis.forecast import PeakForecast
     from lightning_memtenants.analysis.leaks import LeakDetector
+    from lightning_memtenants.predict.advise import Advice
 
 SOURCES = ("auto", "tracker", "none")
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _unseen(hook: _Hook) -> _Hook:
+    """``hook`` with torch function modes off: a user's ``TorchFunctionMode`` around ``fit`` sees none of our reads."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with hidden_from_function_modes():
+            return hook(*args, **kwargs)
+
+    return cast(_Hook, run)
+
+
 # Under manual optimization a step that no optimizer ends is closed after this many batches.
 MANUAL_ACCUMULATION_BOUND = 64
 
@@ -90,22 +108,25 @@ class MemoryTenantsCallback(Callback):
         strict: raise :class:`MemoryBudgetError` instead of warning when the first optimizer
             step is predicted not to fit.
         postmortem_dir: where an OOM postmortem is written; ``None`` uses the logger's
-            directory, else the working directory.
+            directory, else (``logger=False``) the trainer's ``default_root_dir``, which is the working
+            directory unless set.
         record_history: on CUDA, record the allocator's history and dump a snapshot for
             pytorch.org/memory_viz next to the postmortem after an OOM, and in the log dir at the end of
             fit (``memtenants_snapshot.pickle``, named in the summary).
-        desk_every_n_logs: with a TensorBoardLogger, log the desk picture on every this-many-th
-            logging step (the first included); ``0``: only at the end of fit.
+        desk_every_n_logs: with a TensorBoardLogger, log the desk and timeline pictures on every this-many-th
+            logging step; ``0``: only at the end of fit. Whatever the cadence, the in-fit pictures take at most 2%
+            of the fit's time and at most 50 go to the event files, the last at the end of fit (docs/tags.md).
         reset_peak_stats: on CUDA and other accelerators, reset the allocator's peak counter at
             every phase boundary, which gives exact window peaks but also resets what the rest of
             the process reads from ``max_memory_allocated()``; the run's highest reading stays in
             ``run_peak_bytes``. ``False`` leaves the counter alone, and a window's peak is then
             measured only where it set a new high.
-        measure_fixes: measure the fixes by dry runs of the step (``advise``: each fix's exact peak, under fake
-            tensors on the CPU), once, at the first budget warning (warned when that step is over) and in an OOM
-            postmortem, where a dry run can stand for the step (one device, a known precision, a budget); else, or
-            where the dry runs fail (warned once), the postmortem holds today's estimates, labelled so. It costs
-            some dozen dry runs of the step, once, and keeps a reference to the batch until its step ends.
+        measure_fixes: measure the fixes by dry runs of the step (``advise``: each fix's exact peak, the user's
+            ``training_step`` and ``configure_optimizers`` run under fake tensors on the CPU) in an OOM postmortem,
+            after the fit has failed, where a dry run can stand for the step (one device, a known precision, a
+            budget); else, or where the dry runs fail (warned once), the postmortem holds the estimates, labelled
+            so. No dry run ever runs inside the fit: a budget warning gives the estimates and says how to get
+            measured fixes (:meth:`advise`, after fit). It keeps a reference to the batch until its step ends.
 
     Attributes:
         latest: the report of the last optimizer step of the last fit, or None.
@@ -196,6 +217,7 @@ class MemoryTenantsCallback(Callback):
         self._ranks: list[list[float]] = []
         self._logged_max_batch_size: int | None = None  # under DDP: the minimum over ranks, last logged
         self._gathered = False
+        self._fitting = False  # between setup and teardown of a fit: no dry run of the user's step then
 
     # -- the public surface ----------------------------------------------------------------------
 
@@ -251,36 +273,54 @@ class MemoryTenantsCallback(Callback):
         """
         return None if self._source is None else self._source.run_peak_bytes
 
-    def predict_peak_bytes(self, batch_size: int) -> int | None:
+    def predict_peak_bytes(self, batch_size: int, *, exact: bool = False) -> int | None:
         """The predicted steady-state step peak for ``batch_size`` samples, from the steps measured so far.
 
-        Exact where dry runs of the run's own step can run (as :meth:`max_batch_size`): the dry run's peak at
-        that size, plus what the measured step saw the process hold besides the step; else the forecast's lines.
+        As :meth:`max_batch_size`: on the CPU, scaled from a measured step's own allocations; elsewhere the
+        forecast's lines. Nothing of the user's runs. ``exact=True`` runs a dry run of the step at that size now,
+        under fake tensors (see :meth:`max_batch_size`), outside the fit only.
 
         Args:
             batch_size: samples in the batch, a positive integer.
+            exact: answer by a dry run of the run's own step, under fake tensors, now.
 
         Returns:
-            The predicted peak in bytes, or ``None`` before a step was measured.
+            The predicted peak in bytes, or ``None`` before a step was measured (without ``exact``).
 
         Raises:
-            ValueError: if ``batch_size`` is not a positive integer.
+            ValueError: if ``batch_size`` is not a positive integer or ``exact`` not a bool.
+            RuntimeError: with ``exact=True``, while the trainer is fitting (no dry run runs inside a fit), or where
+                no dry run can stand for the step (a sharded strategy, the model freed, no measured batch) or it
+                failed.
         """
-        return self._alerts.predict_peak_bytes(positive_int(batch_size, "batch_size"))
+        batch_size = positive_int(batch_size, "batch_size")
+        if flag(exact, "exact"):
+            self._outside_fit("predict_peak_bytes")
+            return self._alerts.exact_peak_bytes(batch_size)
+        return self._alerts.predict_peak_bytes(batch_size)
 
     def max_batch_size(
-        self, budget_bytes: int | str | None = None, *, elements_per_sample: float | None = None
+        self,
+        budget_bytes: int | str | None = None,
+        *,
+        elements_per_sample: float | None = None,
+        exact: bool = False,
     ) -> int | None:
         """The largest batch whose steady-state peak fits the budget less the margin (``budget x (1 - margin)``).
 
-        From the first measured step on, the answer is exact where it can be: dry runs of the run's own
-        LightningModule step (``predict.dryrun.largest_batch_size``: two steps, the trainer's precision, the
-        measured batch resized), seeded by the forecast and calibrated by the measured step (its peak less the
-        dry run's at its size is what the process holds besides the step, taken off the budget). It runs once
-        per budget and batch shape; a failure warns once and the forecast's lines answer from then on, as they
-        do under a sharded strategy, a precision or device a dry run does not know, or for an
-        ``elements_per_sample`` other than the measured batch's. A new budget after fit needs nothing of the
-        run: the search keeps a copy of the model on the meta device (no memory), never the model.
+        During a fit nothing of the user's runs for it: the answer comes from what the measured steps recorded.
+        On the CPU (the live-tensor tracker) a measured step's timeline splits the live bytes at every moment into
+        a fixed part (weights, gradients, optimizer state) and a part that grows with the batch (the batch, the
+        activations, the forward's and backward's temporaries); the peak at ``b`` samples is the highest of
+        ``fixed + grows * b / b0``, a first optimizer step projected to the steady state. Where it errs it errs low
+        (a fixed temporary counted as growing), never above the truth. Elsewhere (CUDA: no timeline), or for an
+        ``elements_per_sample`` other than the measured batch's, the forecast's lines answer.
+
+        ``exact=True`` answers by dry runs of the run's own LightningModule step now: ``training_step`` and
+        ``configure_optimizers`` run under fake tensors (``predict.dryrun.largest_batch_size``: two steps per size,
+        the trainer's precision, the last measured batch resized) on a meta copy of the model made then, calibrated
+        by the measured step (its peak less the dry run's at its size is what the process holds besides the step).
+        It needs the model still alive (a weak reference is kept) and runs only outside the fit, after it.
 
         Under DDP, without arguments, it is the answer logged last: the minimum over ranks, which hold
         different batches (gathered on logging steps, with a logger). With arguments it is this rank's.
@@ -289,19 +329,51 @@ class MemoryTenantsCallback(Callback):
             budget_bytes: bytes or a string like ``"80GiB"``; ``None`` uses the run's budget.
             elements_per_sample: input elements per sample (e.g. the longest sequence in the
                 dataset); ``None`` sizes samples as the longest seen so far.
+            exact: answer by dry runs of the step, under fake tensors, now (outside the fit only).
 
         Returns:
-            The batch size, or ``None`` without a budget or before a step was measured.
+            The batch size, or ``None`` without a budget or before a step was measured (without ``exact``).
 
         Raises:
-            ValueError: if an argument is not a positive number.
+            ValueError: if an argument is not a positive number, ``exact`` not a bool, or with ``exact=True`` there
+                is no budget or ``elements_per_sample`` is not the measured batch's.
+            RuntimeError: with ``exact=True``, while the trainer is fitting (no dry run runs inside a fit), or where
+                no dry run can stand for the step (a sharded strategy, the model freed, no measured batch) or it
+                failed.
         """
         budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         if elements_per_sample is not None:
             elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
+        if flag(exact, "exact"):
+            self._outside_fit("max_batch_size")
+            return self._alerts.exact_max_batch_size(budget, elements_per_sample)
         if self._gathered and budget is None and elements_per_sample is None:
             return self._logged_max_batch_size
         return self._alerts.max_batch_size(budget, elements_per_sample)
+
+    def advise(self, budget_bytes: int | str | None = None) -> Advice:
+        """The fixes for the last measured step, each measured now by dry runs of the run's own step.
+
+        Each candidate fix (bf16-mixed, activation checkpointing, a smaller micro-batch, the optimizer's
+        implementation, cheaper optimizers) is dry-run: ``training_step`` and ``configure_optimizers`` run under fake
+        tensors (``predict.advise.advise``), two steps each, on a meta copy of the model made now, for the last
+        measured batch, at the trainer's precision and accumulation. It runs only outside the fit, after it (the
+        model still alive): a budget warning in the fit gives the estimates and points here.
+
+        Args:
+            budget_bytes: bytes or a string like ``"24GiB"``; ``None`` uses the run's budget.
+
+        Returns:
+            The :class:`~lightning_memtenants.predict.advise.Advice`.
+
+        Raises:
+            ValueError: if ``budget_bytes`` is not a number of bytes, or there is no budget at all.
+            RuntimeError: while the trainer is fitting, or where no dry run can stand for the step (a sharded
+                strategy, the model freed, no measured batch) or the dry runs failed.
+        """
+        budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        self._outside_fit("advise")
+        return self._alerts.advise(budget)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -323,15 +395,18 @@ class MemoryTenantsCallback(Callback):
     # -- the hooks -----------------------------------------------------------------------------------
 
     @override
+    @_unseen
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start each fit with a fresh forecast, leak baseline and postmortem path."""
         if stage == "fit":
+            self._fitting = True
             # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
             # which Lightning calls after setup
             self._alerts = self._new_alerts()
             self._postmortem.path = None
 
     @override
+    @_unseen
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the monitor and its source, describe the precision and strategy, and set the budget."""
         self._close(release=True)
@@ -369,17 +444,20 @@ class MemoryTenantsCallback(Callback):
         else:
             self._step_bound = MANUAL_ACCUMULATION_BOUND if real else 1
         self._alerts.set_budget(self.budget_bytes or device_budget_bytes(pl_module.device))
-        why = self._alerts.attach(
+        # a weak reference and the settings, for exact answers after fit: nothing is copied, nothing runs
+        self._alerts.attach(
             pl_module, precision=str(trainer.precision), device=pl_module.device, strategy=trainer.strategy
         )
-        if why is not None and self._alerts.budget is not None:
-            rank_zero_info(f"memtenants: max_batch_size answers from the forecast's lines: {why}")
         self._postmortem.start(pl_module.device)
         self._logs.open(trainer)
-        # the timeline is drawn only in TensorBoard's panels: without them, no step pays for recording it
-        self._monitor.record_timeline = self._logs.panels is not None
+        # the timeline is drawn in TensorBoard's panels, and with a budget it gives the largest batch (its fixed and
+        # batch-proportional bytes, scaled); without either, no step pays for recording it. The module paths (hooks
+        # on the model's modules) are only for the panels.
+        self._monitor.record_timeline = self._logs.panels is not None or self._alerts.budget is not None
+        self._monitor.timeline_module_paths = self._logs.panels is not None
 
     @override
+    @_unseen
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -401,6 +479,7 @@ class MemoryTenantsCallback(Callback):
         self._alerts.batch_start(batch, batch_idx, measured=monitor.measuring)
 
     @override
+    @_unseen
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Measure ``before_backward``, the activations read from the loss's graph, and project backward's peak."""
         self._phase("before_backward", output=loss)
@@ -408,11 +487,13 @@ class MemoryTenantsCallback(Callback):
             self._alerts.before_backward(self._monitor)
 
     @override
+    @_unseen
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure ``after_backward``."""
         self._phase("after_backward")
 
     @override
+    @_unseen
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -423,6 +504,7 @@ class MemoryTenantsCallback(Callback):
             self._alerts.before_optimizer_step(self._monitor)
 
     @override
+    @_unseen
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -467,9 +549,10 @@ class MemoryTenantsCallback(Callback):
                 budget_bytes=self.budget,
             )
         if headroom is not None:
-            self._logs.show_headroom(pl_module, headroom)
+            self._logs.show_headroom(trainer, headroom)
 
     @override
+    @_unseen
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the step of a batch the epoch stopped inside, so that the next epoch starts a clean one."""
         if self._open_batch and self._monitor is not None:  # the epoch stopped inside a batch: it never ends
@@ -477,8 +560,10 @@ class MemoryTenantsCallback(Callback):
             self._monitor.skip_step()
 
     @override
+    @_unseen
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the hooks, write TensorBoard's summary and desk, and print the summary (rank zero, stdout)."""
+        raise_pending()
         # record_history on CUDA: the allocator's own view of the fit, for memory_viz, before the history stops
         history = self._postmortem.dump_history(rank=self._rank, world_size=self._world_size)
         self._close()
@@ -513,6 +598,7 @@ class MemoryTenantsCallback(Callback):
         )
 
     @override
+    @_unseen
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """After an out-of-memory error, write the postmortem; in any case, let go of the model."""
         # Never raises and never talks to other ranks: the user's exception goes on as it is, and a rank that
@@ -536,12 +622,16 @@ class MemoryTenantsCallback(Callback):
         except Exception as error:  # the postmortem is a courtesy; the user's own exception matters
             rank_zero_warn(f"memtenants: the postmortem failed ({describe_error(error)})")
         finally:
+            self._fitting = False
             self._close(release=True)
             self._unbind()
 
     @override
+    @_unseen
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove every hook and let go of the model and optimizers."""
+        if stage == "fit":
+            self._fitting = False
         self._close(release=True)
         self._unbind()
 
@@ -578,12 +668,25 @@ class MemoryTenantsCallback(Callback):
         if buckets is not None:
             monitor.add_part("ddp_buckets", buckets)
 
+    def _outside_fit(self, what: str) -> None:
+        """Refuse a dry run of the user's step while the trainer is fitting: measuring never changes the program."""
+        if self._fitting:
+            raise RuntimeError(
+                f"{what}: exact answers and measured fixes run dry runs of your training_step (under fake tensors),"
+                " which never run inside a fit; call it after trainer.fit returns (without exact=True, the answer"
+                " comes from the measured steps)"
+            )
+
     def _phase(self, name: Phase, batch: Any = None, output: Any = None) -> None:
+        raise_pending()  # a Ctrl+C our bookkeeping of freed storages caught goes on here, never swallowed
         if self._monitor is not None:
             self._monitor.phase(name, batch, output)
 
-    def _optimizer_stepped(self, *_: Any) -> None:
+    def _optimizer_stepped(self, optimizer: Optimizer, *_: Any) -> None:
+        """The optimizers' post-step hook: the step ends at this batch's end, and the monitor knows which stepped."""
         self._stepped = True
+        if self._monitor is not None:
+            self._monitor.optimizer_stepped(optimizer)
 
     def _step_number(self, trainer: pl.Trainer) -> int:
         """The trainer's global step; one past the last report where Lightning counted no step (an optimizer it
