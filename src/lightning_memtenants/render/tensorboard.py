@@ -47,8 +47,9 @@ WINDOW_PEAK = "window peak"
 # The pictures' budget in a fit: the share of the fit's time spent drawing them, and how many of each are written.
 MAX_DRAWING_SHARE = 0.02
 MAX_PICTURES = 50
-# What a desk and timeline pair costs to draw (matplotlib's Agg, 1100 x 560 pixels each), before one has been drawn.
-FIRST_PAIR_S = 0.3
+# What a desk and timeline pair costs to draw and write (matplotlib's Agg, 1100 x 560 pixels each, and the events'
+# PNGs), before one has been drawn: about 0.65 s on one core of a 2-core machine, 0.3 s on a fast one.
+FIRST_PAIR_S = 0.6
 # A layer thinner than this share of the chart gets its value written on it.
 _THIN = 0.04
 
@@ -187,14 +188,16 @@ class TensorBoardPanels:
     panel runs under this object's own guard, so a failing picture disables that picture
     only, never a measurement.
 
-    The pictures cost a bounded share of the fit whatever the cadence: a desk and timeline pair (some 0.3 s of
-    matplotlib, some 130 KB of events) is drawn during the fit only while the time spent drawing, the next pair
-    included (estimated as the last pair's cost), stays within ``max_drawing_share`` of the time since this object
-    was made (the fit's start); and at most ``max_pictures`` desks (and as many timelines) go to the event files in
-    a fit, the last at its end. Where the fit's length is known (``planned_logs``), the in-fit pictures are spread
-    over it rather than spent at its start. The first pair is held to the same share, with ``first_pair_s`` as its
-    estimated cost, so that a fit of milliseconds draws no picture until it has run long enough to pay for one; the
-    end of fit's pair, the summary's, is always drawn.
+    The pictures cost a bounded share of the fit whatever the cadence: a desk and timeline pair (some 0.3 to 0.65 s
+    of matplotlib, some 130 KB of events) is drawn during the fit only while the time spent drawing, the next pair
+    and the end of fit's included (each estimated as the last pair's cost), stays within ``max_drawing_share`` of
+    the time since this object was made (the fit's start); and at most ``max_pictures`` desks (and as many
+    timelines) go to the event files in a fit, the last at its end. Where the fit's length is known
+    (``planned_logs``), the in-fit pictures are spread over it rather than spent at its start. The first pair is
+    held to the same share, with ``first_pair_s`` as its estimated cost, so that a fit of seconds draws no picture
+    until it has run long enough to pay for it and for the end of fit's pair, the summary's, which is always drawn:
+    all the pictures of a fit longer than about a minute keep to the share, and a shorter fit spends on that one
+    pair what it costs.
 
     Args:
         writers: the ``SummaryWriter``-like objects to write to.
@@ -298,11 +301,12 @@ class TensorBoardPanels:
 
     def _may_draw(self) -> bool:
         """Whether an in-fit pair fits the budget: never the one kept for the end of fit; else while the time spent
-        drawing, the next pair included, stays within the share of the time since the start."""
+        drawing, the next pair and the end of fit's included (each estimated at the last pair's cost), stays within
+        the share of the time since the start."""
         if self.pictures >= self.max_pictures - 1:
             return False
         elapsed = self._clock() - self._started
-        return self.drawing_s + self._cost_s <= self.max_drawing_share * elapsed
+        return self.drawing_s + 2 * self._cost_s <= self.max_drawing_share * elapsed
 
     def on_fit_end(
         self,
