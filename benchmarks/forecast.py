@@ -5,9 +5,9 @@ gradients resident) really fits the budget less the margin, found by bisection o
 fresh process (``tests/forecast_check.py real``: the CPU tracker counts every live tensor, the process holding
 the model and the one batch, as a GPU holds them). Every answer is printed with its distance from the truth:
 
-- ``cb.max_batch_size()`` at step 0 and at step 1 (a callback training two steps at a small batch): exact, by
-  dry runs of the step calibrated by the measured step;
-- the forecast's lines at step 0 and step 1 (what the callback falls back to where dry runs cannot run);
+- ``cb.max_batch_size()`` at step 0 and at step 1 (a callback training two steps at a small batch): scaled from
+  the measured step's own allocations, no dry run (``analysis.forecast.ScaledStep``);
+- the forecast's lines at step 0 and step 1 (what the callback answers with where no timeline is recorded: CUDA);
 - ``largest_batch_size`` (dry runs, no training);
 - Lightning's ``BatchSizeFinder`` (``mode="binsearch"``, 3 steps a trial) on a simulated device of the budget
   less the margin: a live-tensor tracker with a byte limit raises ``torch.OutOfMemoryError("CUDA out of

@@ -183,13 +183,8 @@ def predict(model: ModelArg, batch: BatchArg, **options: Unpack[PredictOptions])
     this machine does not have, can be planned for before renting one. This is :func:`dry_run`'s
     last report.
 
-    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
-    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
-    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
-    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
-    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
-    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
-    autocast and the deterministic flag are as they were on return.
+    The user's step runs under fake tensors, on a copy of the model, and every global state is left as it
+    was: see :func:`dry_run` for what runs again and what is shared.
 
     Args:
         model: a LightningModule (its own ``training_step`` and ``configure_optimizers`` run), a
@@ -482,13 +477,9 @@ def sweep(
     ``make_batch``, so that ``forecast.max_batch_size`` is :func:`largest_batch_size`'s answer (the
     line only seeds the search) and ``forecast.predict_peak_bytes`` a dry run at that size.
 
-    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
-    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
-    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
-    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
-    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
-    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
-    autocast and the deterministic flag are as they were on return (and after each of the forecast's later dry runs).
+    The user's step runs under fake tensors, on a copy of the model, and every global state is left as it
+    was, after this call and after each of the forecast's later dry runs: see :func:`dry_run` for what runs
+    again and what is shared.
 
     Args:
         model: as for :func:`predict`.
@@ -548,13 +539,8 @@ def largest_batch_size(
     fits and one more sample does not (halving where a step says nothing). Each size is one dry run;
     from a good ``start`` the answer takes two to four.
 
-    The user's step runs under fake tensors: what it does that reads no tensor value runs again, each
-    time (a ``print``, a counter, a line written to a log file). The caller's objects are not changed:
-    the step runs on a copy of the model whose tensors are fakes and whose containers (lists, dicts) are
-    copies, so a list the step appends to stays as it was; other objects the model holds (a numpy array, a
-    Dataset) are shared, not copied, and left as they are unless the step itself changes them. Python's,
-    numpy's and torch's random generators, the modes, the saved-tensor hooks, the default dtype, grad mode,
-    autocast and the deterministic flag are as they were on return.
+    The user's step runs under fake tensors, on a copy of the model, and every global state is left as it
+    was: see :func:`dry_run` for what runs again and what is shared.
 
     Args:
         model: as for :func:`predict`.

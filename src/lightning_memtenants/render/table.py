@@ -273,7 +273,7 @@ def fit_summary(
         budget_bytes: the run's budget, or None.
         max_batch_size: the largest batch that fits the budget less the margin, or None.
         margin: the margin it was found under.
-        how: how it was found, in words (``"exact, by dry runs of the step"``).
+        how: how it was found, in words (``"scaled from a measured step's own allocations (no dry run)"``).
         unmeasured_why: why the last step was not measured, in words, after the report's own reason; None: that alone.
 
     Returns:
