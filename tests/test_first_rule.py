@@ -245,3 +245,44 @@ def test_an_exact_answer_asked_after_fit_runs_dry_runs_that_leave_the_users_obje
     assert model.losses == losses and not any(isinstance(loss, FakeTensor) for loss in model.losses)
     assert random.getstate() == state[0] and np.random.get_state()[1].tolist() == state[1]
     assert torch.equal(torch.get_rng_state(), state[2])
+
+
+@pytest.mark.parametrize("name", ["gpt2/ones/32-true", "llama/padded/32-true", "demo/32-true"])
+def test_third_party_models_as_users_write_them_see_the_same_program(name: str, tmp_path: Path) -> None:
+    """Hugging Face GPT-2 and Llama called as ``self.model(**batch)`` in ``training_step``, and Lightning's demo
+    Transformer: every option on, the user's modes see the same operators and functions, the losses are the same."""
+    from hf_models import Spec, build_module, loader
+
+    spec = Spec.parse(name)
+
+    def run(callback: MemoryTenantsCallback | None) -> tuple[Counter[str], Counter[str], list[float]]:
+        module = build_module(spec)
+        losses: list[float] = []
+
+        class Losses(L.Callback):
+            def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+                losses.append(float(outputs["loss"]))
+
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            accumulate_grad_batches=1,
+            log_every_n_steps=1,
+            callbacks=[Losses(), *([callback] if callback is not None else [])],
+            logger=TensorBoardLogger(tmp_path, name="with" if callback else "without"),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        dispatched, functions = Dispatched(), Functions()
+        with warnings.catch_warnings(), functions, dispatched:
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader(spec))  # one batch an epoch: three epochs
+        return dispatched.ops, functions.calls, losses
+
+    without = run(None)
+    with_ = run(everything_on(budget_bytes=1_000_000))  # under the peak: the budget's warnings run
+    assert sum(without[0].values()) > 1000
+    assert with_[0] == without[0], (with_[0] - without[0], without[0] - with_[0])
+    assert with_[1] == without[1], (with_[1] - without[1], without[1] - with_[1])
+    assert with_[2] == without[2] and len(without[2]) == 3
