@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import CLOSURE_DIVISOR, make_trainer, plain_step
+from hf_models import HFModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -454,20 +455,6 @@ def test_a_head_added_at_step_7_is_counted_where_it_is_added_and_after() -> None
     assert any(", not counted, before before_backward" in n for n in carried[7].notes)
 
 
-class TokensModule(L.LightningModule):
-    """A transformers model's loss on a batch of keyword arguments."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters())
-
-
 def switch_transformers() -> L.LightningModule:
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
@@ -487,7 +474,7 @@ def switch_transformers() -> L.LightningModule:
         pad_token_id=0,
         dropout_rate=0.0,
     )
-    return TokensModule(SwitchTransformersForConditionalGeneration(config))
+    return HFModule(SwitchTransformersForConditionalGeneration(config))
 
 
 def token_batches() -> list[dict[str, torch.Tensor]]:
@@ -524,7 +511,7 @@ def wav2vec2() -> L.LightningModule:
         do_stable_layer_norm=True,
         feat_extract_norm="layer",
     )
-    return TokensModule(Wav2Vec2ForCTC(config))
+    return HFModule(Wav2Vec2ForCTC(config))
 
 
 def audio_batches() -> list[dict[str, torch.Tensor]]:
