@@ -2,7 +2,8 @@
 
 Lightning's launcher starts the other ranks by running this script again. Each rank fits the same model
 three times, under DDPStrategy (with Adam, then ZeroRedundancyOptimizer) and under ModelParallelStrategy
-(FSDP2), every step tracked, and writes every step's report to ``OUT/<ddp|zero|fsdp>_rank<r>.json``.
+(FSDP2), every step tracked, and writes every step's report to ``OUT/<ddp|zero|fsdp>_rank<r>.json``. On 2
+ranks it also fits :class:`WrappedSharded` (its step calls ``self.model(x)``), FSDP2: ``OUT/model_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,53 @@ class Blocks(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def fit(strategy: Any, fsdp: bool = False, zero: bool = False) -> list[dict[str, Any]]:
+class Inner(nn.Module):
+    """The blocks of :class:`Wrapped`, a model as users hold it in ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 64), nn.Linear(64, 42), nn.Linear(42, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+class Wrapped(L.LightningModule):
+    """A LightningModule as users write it: ``self.model``, and a ``training_step`` that calls ``self.model(x)``.
+
+    It has no ``configure_model``: the prediction's FSDP2 default shards it (each block, then ``self.model``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Inner()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class WrappedSharded(Wrapped):
+    """:class:`Wrapped` with the ``configure_model`` its user writes for ModelParallelStrategy: each block, then
+    the model its step calls (``fully_shard(self)`` would leave ``self.model``'s own parameters as DTensors)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def fit(
+    strategy: Any, fsdp: bool = False, zero: bool = False, module: L.LightningModule | None = None
+) -> list[dict[str, Any]]:
     cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
     reports: list[dict[str, Any]] = []
 
@@ -80,7 +127,7 @@ def fit(strategy: Any, fsdp: bool = False, zero: bool = False) -> list[dict[str,
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
-    trainer.fit(Blocks(fsdp, zero), DataLoader(data, batch_size=8))
+    trainer.fit(module if module is not None else Blocks(fsdp, zero), DataLoader(data, batch_size=8))
     return reports
 
 
@@ -96,6 +143,9 @@ def main() -> None:
     (out / f"zero_rank{rank}.json").write_text(json.dumps(zero))
     fsdp = fit(ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1), fsdp=True)
     (out / f"fsdp_rank{rank}.json").write_text(json.dumps(fsdp))
+    if n == 2:  # a LightningModule whose step calls self.model(x), sharded as the prediction's default assumes
+        model = fit(ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1), module=WrappedSharded())
+        (out / f"model_rank{rank}.json").write_text(json.dumps(model))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()

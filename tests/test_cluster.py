@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from cluster_script import Blocks
+from cluster_script import Blocks, Wrapped
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
@@ -48,10 +49,8 @@ def launch(n: int, out: Path) -> list[dict[str, list[dict[str, Any]]]]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [
-        {kind: json.loads((out / f"{kind}_rank{rank}.json").read_text()) for kind in ("ddp", "zero", "fsdp")}
-        for rank in range(n)
-    ]
+    kinds = ("ddp", "zero", "fsdp", "model") if n == 2 else ("ddp", "zero", "fsdp")
+    return [{kind: json.loads((out / f"{kind}_rank{rank}.json").read_text()) for kind in kinds} for rank in range(n)]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -129,6 +128,22 @@ def test_fsdp_prediction_equals_every_rank_of_a_real_run(real: tuple[int, list[A
         assert end["optimizer_state"] == 2 * _shard_bytes(rank, n) + 4 * len(SHAPES)  # Adam's moments and steps
 
 
+@pytest.mark.slow
+def test_a_step_that_calls_self_model_is_predicted_as_fsdp2_runs_it(real: tuple[int, list[Any]]) -> None:
+    """The default (no configure_model) shards each block and ``self.model``, the module the step calls: the real
+    run's configure_model does the same, and every rank's figures agree (FSDP2's late frees as above)."""
+    n, measured = real
+    if n != 2:
+        pytest.skip("run on 2 ranks")
+    prediction = dry_run(Wrapped(), BATCH, strategy="fsdp", world_size=n, steps=3)
+    assert "the modules that training_step calls (`model`)" in " ".join(prediction.report.notes)
+    largest_unit = 4 * n * -(-(64 * 42 + 42) // n)
+    exact, readings = _late_frees(prediction, measured, "model", bound=largest_unit)
+    assert exact >= 0.8 * readings, (exact, readings)
+    for rank, report in enumerate(prediction.ranks):
+        assert report.phases["batch_end"].tenants_bytes["weights"] == _shard_bytes(rank, n)
+
+
 def test_predict_gives_rank_zero_and_one_device_is_one_rank() -> None:
     single = dry_run(Blocks(), BATCH)
     assert single.ranks == [single.report]
@@ -168,6 +183,94 @@ def test_a_model_that_shards_nothing_is_sharded_per_block_of_its_longest_module_
     assert "per block of its longest ModuleList (3 blocks) and the root" in " ".join(report.notes)
     # each Linear(8, 8): 2 of its 8 rows (weight and bias) a rank; the root unit holds Linear(4, 4): 1 of 4 rows
     assert report.phases["batch_start"].tenants_bytes["weights"] == 4 * (3 * (2 * 8 + 2) + (1 * 4 + 1))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+class _CallsModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters())
+
+
+class _WithHead(_CallsModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return (self.head(self.model(batch[0])) * self.scale[0]).pow(2).mean()
+
+
+class _CallsSelf(_CallsModel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch[0]).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    ("module", "roots", "weights"),
+    [
+        # two Linear(8, 8): 72 numbers each, half a rank
+        (_CallsModel, "the modules that training_step calls (`model`), each a root", 4 * 72),
+        # and Linear(8, 4)'s 36 numbers, half a rank; `scale` (6 numbers) is outside every root: whole
+        (_WithHead, "calls (`model`, `head`), each a root", 4 * 72 + 4 * 18 + 4 * 6),
+        (_CallsSelf, "per block of its longest ModuleList (2 blocks) and the root", 4 * 72),
+    ],
+)
+def test_fsdp_roots_are_the_modules_the_step_calls(module: type, roots: str, weights: int) -> None:
+    """FSDP2 gathers a root's own parameters in the root's forward: the LightningModule is a root only where its
+    step calls ``self(x)``; else each module the step calls is one (a LightningModule as root would leave them
+    DTensors: "got mixed torch.Tensor and DTensor")."""
+    report = predict(module(), (torch.Size([4, 8]),), strategy="fsdp", world_size=2)
+    assert roots in " ".join(report.notes)
+    assert report.phases["batch_start"].tenants_bytes["weights"] == weights
+    if module is _WithHead:
+        assert "1 parameter outside them (scale) stays whole on every rank" in " ".join(report.notes)
+
+
+def test_a_hugging_face_model_in_self_model_is_sharded_within_it() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class OPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.OPTConfig(
+                vocab_size=128, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=2,
+                max_position_embeddings=64, word_embed_proj_dim=64,
+            )  # fmt: skip
+            self.model = transformers.OPTForCausalLM(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters())
+
+    model = OPT()
+    numbers = sum(p.numel() for p in model.parameters())  # the tied embedding once
+    report = predict(model, {"input_ids": torch.randint(0, 128, (2, 16))}, strategy="fsdp", world_size=2)
+    notes = " ".join(report.notes)
+    assert "per block of its longest ModuleList (2 blocks) and the modules that training_step calls (`model`)" in notes
+    assert numbers % 2 == 0 and report.phases["batch_start"].tenants_bytes["weights"] == 4 * numbers // 2
 
 
 def test_ranks_with_the_same_shard_sizes_are_one_class() -> None:

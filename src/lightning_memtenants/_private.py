@@ -6,6 +6,7 @@ this file alone; each reader here degrades to "not measured" or a conservative a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,10 +30,12 @@ __all__ = [
     "cast_source",
     "compiled_by_lightning",
     "compiled_in_place",
+    "convert_in_place",
     "ddp_bucket_sizes",
     "ddp_call_without_rebuild",
     "ddp_without_rank_checks",
     "default_foreach",
+    "dtensor_caches_cleared",
     "dump_snapshot",
     "fake_process_group",
     "global_modes",
@@ -44,6 +47,7 @@ __all__ = [
     "local_tensor",
     "mode_stack",
     "real_as_fake",
+    "real_device_meshes",
     "record_history",
     "reduce_scatter_operator",
     "scaler_tensors",
@@ -51,6 +55,7 @@ __all__ = [
     "show_in_progress_bar",
     "tensor_factories",
     "unset_fake",
+    "wait_tensor_operator",
 ]
 
 # A node's saved tensors are its ``_raw_saved_*`` attributes: ``SavedTensor`` objects whose ``data`` reads what is
@@ -573,3 +578,94 @@ def reduce_scatter_operator() -> Any:
         The operator overload, as a dispatch mode sees it.
     """
     return torch.ops.c10d._reduce_scatter_base_.default
+
+
+def wait_tensor_operator() -> Any:
+    """The functional collectives' wait, ``_c10d_functional.wait_tensor`` (a private namespace), which DTensor runs.
+
+    For real it returns the tensor it is given; its fake kernel makes a new one, which a dry run must not count.
+
+    Returns:
+        The operator overload, as a dispatch mode sees it.
+    """
+    return torch.ops._c10d_functional.wait_tensor.default
+
+
+@contextlib.contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """Device meshes built under a fake mode compute their rank tables for real (``DeviceMesh.__init__`` wrapped).
+
+    FSDP2 over a tensor-parallel parameter joins the two meshes (``DeviceMesh._concatenate``, private) while the
+    user's ``configure_model`` runs, inside a dry run's ``FakeTensorMode``; the new mesh finds its rank with
+    ``nonzero()`` on its rank table, which a fake tensor cannot answer. The table is a few integers, made of
+    constants: computed for real, it is what a real run computes. Restored on leaving.
+
+    Yields:
+        Nothing; inside, ``DeviceMesh(...)`` runs with the fake mode off.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
+def convert_in_place(module: torch.nn.Module) -> None:
+    """Make ``module.to(dtype)`` on a dry run's fake copy convert its fake parameters in place, as on real ones.
+
+    ``nn.Module._apply`` swaps a fake parameter for its conversion (``torch.utils.swap_tensors``), which fails
+    once the dry run's optimizer and tracker hold it, so a forward that converts a module
+    (``self.classifier = self.classifier.to(dtype)``, SwitchTransformers' router) fails where training runs; a
+    real parameter takes the conversion's data (``param.data = ...``), or stays as it is. The private parts are
+    ``Module._apply`` and the ``_parameters`` and ``_buffers`` dicts, which no public API converts one module's
+    own tensors through. Each module of the copy gets its own ``_apply`` (an instance attribute): torch's, and on
+    its swap failure the in-place conversion; the user's module and the class are left alone.
+
+    Args:
+        module: the fake copy (every module under it is set).
+    """
+    import types
+
+    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        try:
+            return type(self)._apply(self, fn, recurse)
+        except RuntimeError as error:
+            if "Couldn't swap" not in str(error):
+                raise
+        for param in self._parameters.values():  # the children are done; the own parameters are unchanged
+            if param is None:
+                continue
+            with torch.no_grad():
+                applied = fn(param)
+            if applied is not param and (applied.dtype, applied.device) != (param.dtype, param.device):
+                param.data = applied
+                if param.grad is not None:
+                    param.grad.data = fn(param.grad)
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[name] = fn(buffer)
+        return self
+
+    for sub in module.modules():
+        sub._apply = types.MethodType(apply, sub)  # type: ignore[method-assign]
+
+
+def dtensor_caches_cleared() -> None:
+    """Empty DTensor's caches of sharding propagation, which key on meshes (``debug._clear_sharding_prop_cache``).
+
+    ``DeviceMesh`` equality ignores its process groups, so a rank dry-run after another (a fresh fake group,
+    the same mesh shape) would be handed the previous rank's cached outputs, whose meshes name groups destroyed
+    since. The caches (Python's and the C++ fast path's) only save time: emptied, DTensor computes the same
+    answers again. torch's own tests clear them through this private function.
+    """
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()

@@ -36,6 +36,7 @@ from lightning_memtenants.predict.advise import Advice, advise
 from lightning_memtenants.predict.cuda_model import TARGET_HELP, CudaTarget, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
+from lightning_memtenants.predict.routing import parse_routing
 from lightning_memtenants.predict.values import is_unknown_value
 from lightning_memtenants.render.table import fits_text, format_table
 from lightning_memtenants.render.timeline import write_snapshot
@@ -167,6 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the ranks of --strategy (default: %(default)s)",
     )
     run.add_argument(
+        "--tensor-parallel",
+        type=_positive,
+        default=1,
+        metavar="T",
+        help="with --strategy fsdp, the ranks of one tensor-parallel group: the mesh is (world size / T, T), and the"
+        " model's configure_model applies its plan over self.device_mesh['tensor_parallel'] (default: %(default)s)",
+    )
+    run.add_argument(
+        "--routing",
+        type=_routing,
+        default="balanced",
+        metavar="ROUTING",
+        help="the routing assumed where a mixture of experts chooses experts from values a dry run does not have:"
+        " balanced (each expert gets tokens x top_k / experts), worst (every token the same top_k experts),"
+        " capacity:F (as concentrated as a capacity factor F >= 1 allows) or counts:C0,C1,... per expert (several"
+        " routers' counts separated by /) (default: %(default)s)",
+    )
+    run.add_argument(
         "--json",
         default=None,
         metavar="PATH",
@@ -182,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_advise(commands, run)
     return parser
+
+
+def _routing(text: str) -> Any:
+    """``--routing``'s value as a ``Routing``, or argparse's one-line error naming the flag."""
+    try:
+        return parse_routing(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,9 +260,16 @@ def _predict(args: argparse.Namespace) -> int:
     build, make_batch = _model_source(args, init, shapes)
     if args.world_size > 1 and args.strategy is None:
         raise UsageError(f"--world-size {args.world_size} needs --strategy ddp or --strategy fsdp")
+    if args.tensor_parallel > 1 and (args.strategy != "fsdp" or args.world_size % args.tensor_parallel):
+        raise UsageError(
+            f"--tensor-parallel {args.tensor_parallel} needs --strategy fsdp and a --world-size it divides"
+        )
     options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
+    options["routing"] = args.routing
     if args.strategy is not None:
         options = {**options, "strategy": args.strategy, "world_size": args.world_size}
+        if args.tensor_parallel > 1:
+            options["tensor_parallel"] = args.tensor_parallel
     prediction = _run_step(lambda: dry_run(build, make_batch(batch_size), **options), batch_size)
     report = prediction.report
     print(_header(args, batch_size, shapes, gpu_target), file=out)
@@ -270,6 +304,7 @@ def _predict(args: argparse.Namespace) -> int:
         if args.strategy is not None:
             document["strategy"] = args.strategy
             document["world_size"] = args.world_size
+            document["tensor_parallel"] = args.tensor_parallel
             document["ranks"] = [
                 {"rank": rank, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase, "tenants_bytes": r.tenants_bytes}
                 for rank, r in enumerate(prediction.ranks)
@@ -722,7 +757,8 @@ def _advise(args: argparse.Namespace) -> int:
     )
     print(_advice_table(advice), file=out)
     for note in advice.notes:
-        print(f"not tried: {note}", file=out)
+        # a candidate whose dry run failed says so itself: the step without it ran, so the step is not to blame
+        print(note if ": left out" in note else f"not tried: {note}", file=out)
     if args.json is not None:
         document = {
             **_step_fields(args, batch_size, shapes, device),

@@ -33,15 +33,23 @@ from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
 from lightning_memtenants.predict.cluster import (
     Parallel,
     StepModule,
+    collective_waits,
     ddp_forward,
     fake_group,
     gloo_scratch,
+    has_configure_model,
     parallel_of,
     rank_classes,
     shard,
+    top_level_calls,
     wrap_ddp,
 )
-from lightning_memtenants.predict.cuda_kernels import CudaKernels, attention_note, fused_attention_rewrite
+from lightning_memtenants.predict.cuda_kernels import (
+    CudaKernels,
+    attention_note,
+    fused_attention_rewrite,
+    recurrent_note,
+)
 from lightning_memtenants.predict.cuda_model import (
     HOST_OPS,
     OUTSIDE_ALLOCATOR,
@@ -64,8 +72,9 @@ from lightning_memtenants.predict.fake import (
     preserved_globals,
     preserving_globals,
 )
-from lightning_memtenants.predict.kernels import cpu_kernels
-from lightning_memtenants.predict.values import KnownValues, is_unknown_value, unknown_value_error
+from lightning_memtenants.predict.kernels import CpuKernels, cpu_kernels
+from lightning_memtenants.predict.routing import Routing, check_routing
+from lightning_memtenants.predict.values import RANDOM_ELEMENTS, KnownValues, unknown_value_error, unknown_value_in
 from lightning_memtenants.units import parse_bytes
 
 # The plain device names ``target`` takes; it also takes a GPU by name or compute capability (``resolve_target``).
@@ -112,6 +121,16 @@ class PredictOptions(TypedDict, total=False):
             Lightning ``DDPStrategy`` / ``ModelParallelStrategy`` whose settings are read; every rank is
             predicted in this process, over a fake process group of ``world_size`` ranks.
         world_size: the ranks of ``strategy`` (default 1; more than 1 needs a strategy).
+        tensor_parallel: the ranks of one tensor-parallel group (default 1): under ``strategy="fsdp"`` the mesh is
+            ``(world_size // tensor_parallel, tensor_parallel)``, and the model's ``configure_model`` applies its
+            plan over ``self.device_mesh["tensor_parallel"]``; a ``ModelParallelStrategy`` gives its own.
+        routing: the routing assumed where a mixture of experts' router chooses from values a dry run does not
+            have (``topk``, ``argmax`` or ``max`` indices over fake logits): ``"balanced"`` (the default, each expert
+            gets tokens x top_k / experts), ``"worst"`` (every token the same top_k experts),
+            ``{"capacity_factor": f}``, ``{"counts": [...]}`` per expert (or a list of them, one per router call),
+            or a ``Routing``; see ``lightning_memtenants.predict.routing``. A report whose shapes followed it says
+            so in its notes. Random draws in the step of up to 1,024 elements (LayerDrop's) are drawn for real,
+            under ``torch.random.fork_rng``.
     """
 
     loss_fn: Callable[[nn.Module, Any], Tensor] | None
@@ -123,6 +142,8 @@ class PredictOptions(TypedDict, total=False):
     accumulate_grad_batches: int
     strategy: Any
     world_size: int
+    tensor_parallel: int
+    routing: Any
 
 
 DEFAULTS: PredictOptions = {
@@ -135,6 +156,8 @@ DEFAULTS: PredictOptions = {
     "accumulate_grad_batches": 1,
     "strategy": None,
     "world_size": 1,
+    "tensor_parallel": 1,
+    "routing": "balanced",
 }
 
 
@@ -325,7 +348,11 @@ def _one_rank(
     rank: _Rank | None,
 ) -> _RankRun:
     """One dry run: the whole step on one device, or as one rank of a cluster over a fake process group."""
-    group: Any = contextlib.nullcontext() if rank is None else fake_group(rank.parallel.world_size, rank.rank)
+    group: Any = (
+        contextlib.nullcontext()
+        if rank is None
+        else fake_group(rank.parallel.world_size, rank.rank, rank.parallel.tensor_parallel)
+    )
     with group as mesh:
         return _run(model, batch, settings, timeline, prepare, rank, mesh)
 
@@ -359,7 +386,8 @@ def _run(
         if rank is not None:
             notes.append(f"rank {rank.rank} of {rank.parallel.name}, predicted over a fake process group")
             if rank.parallel.strategy == "fsdp":
-                notes.append(f"FSDP2: {shard(fake, mesh, lightning=lightning)}")
+                called = _called_by_step(fake, batch, param_dtype, mode) if lightning else None
+                notes.append(f"FSDP2: {shard(fake, mesh, lightning=lightning, called=called)}")
         faked = fake_batch(batch, fake, param_dtype, notes)
         elements, batch_bytes = batch_elements(faked)
         optimizers = _optimizers(fake, optimizer, lightning)
@@ -411,16 +439,19 @@ def _run(
             monitor.add_note(note)
         forward = forward_context(param_dtype, autocast_dtype, cache=not lightning)
         reports = []
-        known = KnownValues(mode, source.tracker)
-        kernels: Any = contextlib.nullcontext()
+        # a router's unknown choice follows the assumed routing; the step's small random draws are real (forked)
+        known = KnownValues(mode, source.tracker, random=True, random_limit=RANDOM_ELEMENTS, routing=settings.routing)
+        kernels: Any = CpuKernels()  # CTC loss, whose outputs no fake kernel can size
         if gpu_target is None:  # the CPU's dtypes where the fake kernels differ, before the tracker counts them
             source.tracker.rewrite = cpu_kernels if rank is None else gloo_scratch(source.tracker, cpu_kernels)
         else:  # CUDA's attention kernels, dropout masks and autocast lists, and the fused kernels' scratch
             kernels = CudaKernels(gpu_target.capability, source.tracker)
             forward = _clearing(forward, kernels)
             source.tracker.rewrite = fused_attention_rewrite(source.tracker)
+            if rank is not None:  # DTensor's collectives' waits return their tensor, as for real
+                source.tracker.rewrite = collective_waits(source.tracker.rewrite)
         try:
-            with threads, eager(), known, kernels:
+            with threads, eager(), torch.random.fork_rng(devices=[]), known, kernels:
                 try:
                     for index in range(settings.steps):
                         step = _step(
@@ -431,15 +462,58 @@ def _run(
                 finally:  # the tracker's dispatch mode leaves first (it is above the cuBLAS one), whatever was raised
                     monitor.close()
         except Exception as error:
-            if is_unknown_value(error):
-                raise unknown_value_error(error, "the training step") from None
+            unknown = unknown_value_in(error, source.tracker)
+            if unknown is not None:  # one sentence naming the line, never torch's exception or the monitor's
+                raise unknown_value_error(unknown, "the training step") from None
             raise
     if isinstance(kernels, CudaKernels) and kernels.kernels:
         note = attention_note(kernels.kernels, gpu_target)
         notes.append(note)
         for report in reports:
             report.notes.append(note)
+    if isinstance(kernels, CudaKernels) and kernels.recurrent:
+        note = recurrent_note(kernels.recurrent, gpu_target)
+        notes.append(note)
+        for report in reports:
+            report.notes.append(note)
+    for note in _value_notes(known, settings.routing):
+        notes.append(note)
+        for report in reports:
+            report.notes.append(note)
     return _RankRun(Prediction(reports, elements, batch_bytes, _leading_size(faked), notes), classes)
+
+
+def _called_by_step(fake: nn.Module, batch: BatchArg, param_dtype: Any, mode: Any) -> list[str] | None:
+    """The modules a LightningModule's ``training_step`` calls (see ``top_level_calls``): FSDP2's roots.
+
+    Run once, without gradients, on a copy of the fake model that shares its fake tensors, so the copy's
+    attributes made in the step (a cache) are not the dry run's; None where ``configure_model`` shards it.
+    """
+    if has_configure_model(fake):
+        return None
+    probe = fake_module(fake, mode)
+    probe_batch = fake_batch(batch, probe, param_dtype, [])
+    with eager():
+        calls = top_level_calls(probe, lambda: probe.training_step(probe_batch, 0))  # type: ignore[operator]
+    return calls
+
+
+def _value_notes(known: KnownValues, routing: Routing) -> list[str]:
+    """What the step's values assumed: the routing its router's choices followed, random draws taken for real."""
+    notes = []
+    if known.routed:
+        notes.append(
+            f"mixture of experts: the router's choices ({known.router_calls} call(s) of topk, argmax or max over"
+            f" values a dry run does not have) were assumed to follow {routing.describe()}; the tokens each expert"
+            " receives, and every size after them, are those of a real run with that routing (pass routing= for"
+            " another)"
+        )
+    if known.drew:
+        notes.append(
+            "the step's small random draws (a layer drop's torch.rand, say) were drawn for real from a fork of the"
+            " generator, so the path they chose is one a real run may take, not the only one"
+        )
+    return notes
 
 
 def _step_runner(module: nn.Module, lightning: bool, loss_fn: Any) -> Callable[[Any, int], Any]:
@@ -704,6 +778,7 @@ class _Settings:
     gpu: CudaTarget | None
     parallel: Parallel | None = None
     accumulate: int = 1  # micro-batches per optimizer step (``accumulate_grad_batches``)
+    routing: Routing = field(default_factory=Routing)  # the routing assumed for a router's unknown choice
 
 
 def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
@@ -729,8 +804,11 @@ def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
         raise ValueError(f"optimizer must be a callable that takes the parameters, got {optimizer!r}")
     if batch is None:
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
-    parallel = parallel_of(given["strategy"], given["world_size"])
-    return _Settings(loss_fn, optimizer, precision, steps, gpu, accumulate=accumulate, parallel=parallel)
+    parallel = parallel_of(given["strategy"], given["world_size"], given["tensor_parallel"])
+    routing = check_routing(given["routing"])
+    return _Settings(
+        loss_fn, optimizer, precision, steps, gpu, accumulate=accumulate, parallel=parallel, routing=routing
+    )
 
 
 def _gpu_target(target: Any, gpu: Any) -> CudaTarget | None:
