@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_memtenants.core.storage import tensors_in
 from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.predict.kernels import CTC_FUNCTIONS, known_ctc_loss
 from lightning_memtenants.predict.values import PredictionError
 
 KERNELS = ("flash", "efficient", "cudnn", "math")
@@ -536,6 +537,7 @@ class CudaKernels(TorchFunctionMode):
 
     Attributes:
         kernels: how many attention calls ran each kernel, for the notes.
+        recurrent: how many LSTM, GRU and RNN calls ran, which CUDA runs in cuDNN (see :func:`recurrent_note`).
     """
 
     def __init__(self, capability: tuple[int, int], tracker: LiveTensorTracker | None = None) -> None:
@@ -543,6 +545,7 @@ class CudaKernels(TorchFunctionMode):
         self.capability = capability
         self.tracker = tracker
         self.kernels: dict[str, int] = {}
+        self.recurrent = 0
         self._cache: dict[int, tuple[Tensor, Tensor]] = {}
         self._bodies: dict[Any, Any] = {}
 
@@ -605,11 +608,15 @@ class CudaKernels(TorchFunctionMode):
             )
         if autocast:
             args, kwargs = self._autocast(name, tuple(args), kwargs)
+        if name in _RECURRENT:
+            self.recurrent += 1
         body = None if func in _OURS else self._body(func)
         with _no_cpu_autocast(autocast):
             if body is not None:
                 with self:  # the calls inside torch's own Python function come back here
                     return body(*args, **kwargs)
+            if func in CTC_FUNCTIONS:
+                return known_ctc_loss(func, args, kwargs, cuda=True)
             if func is F.scaled_dot_product_attention:
                 return cuda_sdpa(*args, **kwargs, capability=self.capability, chosen=self._chosen)
             if func in (F.dropout, torch.dropout) and len(args) >= 1:
@@ -629,13 +636,19 @@ class CudaKernels(TorchFunctionMode):
             scope = dict(func.__globals__)
             for check in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
                 scope[check] = _never
-            body = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+            closure = func.__closure__
+            if closure is not None and func.__code__.co_freevars[-2:] == ("if_false", "if_true"):
+                # torch._jit_internal.boolean_dispatch (F.max_pool2d and its kin): its two branches are functional's
+                # own functions, which would hand themselves back to the modes, and come back here, for ever
+                branches = [self._body(cell.cell_contents) or cell.cell_contents for cell in closure[-2:]]
+                closure = (*closure[:-2], *(types.CellType(branch) for branch in branches))
+            body = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, closure)
             body.__kwdefaults__ = func.__kwdefaults__
             self._bodies[func] = body
         return body
 
 
-_OURS = (F.scaled_dot_product_attention, F.dropout, torch.dropout)
+_OURS = (F.scaled_dot_product_attention, F.dropout, torch.dropout, *CTC_FUNCTIONS)
 # backward, which torch hands to the modes and then runs without them: a checkpointed region recomputes inside it
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
@@ -689,9 +702,40 @@ def fused_attention_rewrite(tracker: LiveTensorTracker) -> Callable[[Any, Any, A
             for tensor in scratch:
                 tracker.add(tensor)
             del scratch
+        elif name == "_ctc_loss_backward" and isinstance(out, Tensor):
+            tracker.add(out)
+            scratch = ctc_backward_scratch(args[1], args[6])
+            for tensor in scratch:
+                tracker.add(tensor)
+            del scratch
         return out
 
     return rewrite
+
+
+def ctc_backward_scratch(log_probs: Tensor, log_alpha: Tensor) -> list[Tensor]:
+    """What CUDA's CTC backward (``ctc_loss_backward_gpu_template``, ``LossCTC.cu``) allocates besides the gradient.
+
+    The two lengths and the targets' offsets copied to the device (int64, one per sample) and ``log_beta``,
+    the size of ``log_alpha``. A large problem (``2 T + 24 N / 10 + 2 C / 10 > 450``) also reduces the blanks'
+    ``log_alpha + log_beta`` (batch, time, longest target + 1) with ``logsumexp``, which keeps its maximum, the
+    shifted copy and its result alive together. All of it is freed when the kernel returns.
+
+    Args:
+        log_probs: the log-probabilities (time, batch, classes).
+        log_alpha: the forward's ``log_alpha`` (batch, time, 2 x longest target + 1).
+
+    Returns:
+        The scratch tensors, as fakes of the right sizes.
+    """
+    steps, batch, classes = log_probs.shape
+    scratch = [log_probs.new_empty(batch, dtype=torch.long) for _ in range(3)]
+    scratch.append(torch.empty_like(log_alpha))
+    if 2 * steps + (24 * batch) // 10 + (2 * classes) // 10 > 450:
+        blanks = log_alpha.size(2) // 2 + 1
+        scratch += [log_alpha.new_empty(batch, steps, blanks) for _ in range(2)]  # the sum and its shifted copy
+        scratch += [log_alpha.new_empty(batch, steps, 1) for _ in range(2)]  # the maximum and the result
+    return scratch
 
 
 # outputs of the fused attention kernels that are the philox seed and offset
@@ -700,6 +744,29 @@ _SEEDS = {
     "_scaled_dot_product_efficient_attention": (2, 3),
     "_scaled_dot_product_cudnn_attention": (6, 7),
 }
+
+
+_RECURRENT = frozenset(("lstm", "gru", "rnn_tanh", "rnn_relu"))
+
+
+def recurrent_note(count: int, gpu: Any) -> str:
+    """The report's sentence on recurrent layers, which a GPU target does not model.
+
+    CUDA runs ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` in cuDNN (``_cudnn_rnn``), which keeps the layer's input,
+    its output and a reserve space whose size only ``cudnnGetRNNTrainingReserveSize`` knows; torch has no fake
+    kernel for its backward. The dry run keeps the CPU's tensors instead (oneDNN's, or the native path's).
+
+    Args:
+        count: the recurrent calls in the step.
+        gpu: the target (its ``name``).
+
+    Returns:
+        One sentence.
+    """
+    return (
+        f"{count} LSTM/GRU/RNN call(s) predicted with the CPU's kernel's saved tensors: on {gpu.name} cuDNN runs"
+        " them (_cudnn_rnn) and keeps a reserve space this prediction does not model"
+    )
 
 
 def attention_note(kernels: Mapping[str, int], gpu: Any) -> str:

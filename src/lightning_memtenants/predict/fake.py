@@ -23,9 +23,10 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_memtenants._private import FakeTensor, FakeTensorMode, ShapeEnv, global_modes, unset_fake
+from lightning_memtenants._private import FakeTensor, ShapeEnv, convert_in_place, global_modes, unset_fake
 from lightning_memtenants.checks import brief, one_of
 from lightning_memtenants.core.storage import batch_tensors
+from lightning_memtenants.predict.kernels import KernelFakeMode
 from lightning_memtenants.predict.values import (
     BUILD_ELEMENTS,
     KnownValues,
@@ -82,7 +83,8 @@ def fake_session() -> Iterator[Any]:
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     # A shape environment lets ``loss.item()`` in user code return a symbol instead of failing.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # torch's mode, but for the operators whose meta kernels refuse what the real ones run (``aten._grouped_mm``)
+    mode = KernelFakeMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     try:
         with mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -136,6 +138,7 @@ def fake_module(
     assert built is not None
     if dtype is not None:
         _cast(built, dtype)
+    convert_in_place(built)  # ``module.to(dtype)`` in a forward converts the copy as it does a real module
     return built
 
 

@@ -5,8 +5,11 @@ cannot run on them. Much of that code reads tensors made only from constants (a 
 mask, ``torch.linspace`` in a constructor) or from the batch's integer tensors (token ids, an
 attention mask), whose values a dry run does have. :class:`KnownValues` computes those for real,
 a few elements each, so that the model takes the path a real run takes; everything that touches a
-parameter or an activation stays fake. What is left, a branch on a value no one knows, becomes one
-sentence naming the line (:func:`unknown_value_error`).
+parameter or an activation stays fake. In a training step two more kinds of values are made real: small
+random draws (LayerDrop's ``torch.rand([]) < p``), drawn from a fork of the generator, and a mixture of
+experts' choice of experts (``topk``/``argmax``/``max`` indices over fake logits), which follows the routing
+the dry run assumes (:mod:`lightning_memtenants.predict.routing`). What is left, a branch on a value no one
+knows or a size that follows one, becomes one sentence naming the line (:func:`unknown_value_error`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_memtenants._private import FakeTensor, real_as_fake, tensor_factories, unset_fake
 from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.predict.routing import Routing, routed_indices
 
 # The most elements a real tensor may have for an operator on it to run for real: masks and index tensors,
 # not activations. A larger one is handed to the fake mode, as every tensor was before.
@@ -29,6 +33,8 @@ KNOWN_ELEMENTS = 1 << 22
 # In a constructor, only the constants that schedules are made of (``torch.linspace`` over the depth):
 # a parameter's tensor, made by the same factories, must stay fake.
 BUILD_ELEMENTS = 1 << 10
+# The most elements of a random draw made for real in a step (LayerDrop's ``torch.rand([])``, a per-layer draw).
+RANDOM_ELEMENTS = 1 << 10
 
 _TORCH = os.path.dirname(torch.__file__)
 _PACKAGE = os.path.dirname(os.path.dirname(__file__))
@@ -97,8 +103,15 @@ class KnownValues(TorchFunctionMode):
         limit: the most elements of a tensor computed for real.
         device: the device a small constant is made on where its call names none (``"cpu"`` under a
             ``torch.device("meta")`` context, which would make it meta); ``None`` leaves the call as it is.
-        random: whether random numbers are drawn for real too (a batch callable's, under ``torch.random.fork_rng``);
-            by default they stay fake, as drawing them would move the user's generator.
+        random: whether random numbers are drawn for real too (a batch callable's, or the step's small draws such
+            as LayerDrop's ``torch.rand([])``, each under ``torch.random.fork_rng``); by default they stay fake, as
+            drawing them would move the user's generator.
+        routing: the routing assumed where a router chooses experts from unknown values (:mod:`.routing`): the
+            indices of ``topk``, ``argmax`` and ``max`` over a fake floating tensor become a real choice that
+            follows it, so that the tokens per expert, and every shape after them, are known; ``None`` leaves them
+            fake.
+        random_limit: the most elements of a random draw made for real (``limit`` by default; a step's are
+            :data:`RANDOM_ELEMENTS`, a scalar such as LayerDrop's, not noise, which costs its elements in time).
     """
 
     def __init__(
@@ -108,9 +121,18 @@ class KnownValues(TorchFunctionMode):
         limit: int = KNOWN_ELEMENTS,
         device: str | None = None,
         random: bool = False,
+        routing: Routing | None = None,
+        random_limit: int | None = None,
     ) -> None:
         super().__init__()
         self.random = random
+        self.random_limit = limit if random_limit is None else random_limit
+        # the routing assumed for a router's choice (``topk``/``argmax``/``max`` indices over unknown values), or None
+        self.routing = routing
+        self.router_calls = 0
+        # whether a routed choice reached the model's tensors or a size, and whether a random draw was taken for real
+        self.routed = False
+        self.drew = False
         self.mode = mode
         self.tracker = tracker
         self.limit = limit
@@ -120,18 +142,32 @@ class KnownValues(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INDEXING and len(args) > 1:
+            args = (args[0], _integers(args[1]), *args[2:])
         known, fake = [], False
         for tensor in _tensors((*args, *kwargs.values())):
             if is_known(tensor, self.limit):
                 known.append(tensor)
             else:
                 fake = True
-        if not fake and (self.random or not _random(func)) and (known or self._small_constant(func, args, kwargs)):
+        drawn = _random(func)
+        if drawn and any(t.numel() > self.random_limit for t in known):
+            fake = True  # a large draw stays fake: its values decide no path
+        if not fake and (self.random or not drawn) and (known or self._small_constant(func, args, kwargs, drawn)):
             if not known and self.device is not None and kwargs.get("device") is None:
                 kwargs = {**kwargs, "device": self.device}
             with unset_fake():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            if drawn:
+                self.drew = True
+            if self.routing is not None and any(getattr(t, _ROUTED, False) for t in known):
+                self.routed = self.routed or getattr(func, "__name__", "") in _SIZES
+                for tensor in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                    setattr(tensor, _ROUTED, True)  # what is computed from a routed choice follows the routing too
+            return out
         if known and self.tracker is not None:
+            if self.routing is not None and any(getattr(t, _ROUTED, False) for t in known):
+                self.routed = True  # the choice reaches the model's own tensors (the tokens an expert takes)
             tracker = self.tracker
             tracker.unseen = True
             try:
@@ -140,10 +176,64 @@ class KnownValues(TorchFunctionMode):
                 tracker.unseen = False
             for copy in copies:
                 tracker.host(copy)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.tracker is None:
+            return out
+        _known_sizes(out)
+        if self.routing is not None and getattr(func, "__name__", "") in _CHOICES:
+            return self._route(func, args, kwargs, out)
+        return out
 
-    def _small_constant(self, func: Any, args: Any, kwargs: Any) -> bool:
-        """Whether ``func`` makes a tensor from its arguments alone, on the CPU, of few elements (seen on meta)."""
+    def _route(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        """``out`` of a router's ``topk``/``argmax``/``max``, its fake indices replaced by a real routed choice.
+
+        The real choice is not counted (its storage is marked as the tracker's host memory): the fake indices the
+        operator returned are the memory, kept alive as long as the real choice is (and as autograd keeps them).
+        """
+        name = func.__name__
+        source = args[0] if args else kwargs.get("input")
+        indices = out if isinstance(out, Tensor) else (out[1] if isinstance(out, tuple) and len(out) == 2 else None)
+        if not (isinstance(source, FakeTensor) and source.is_floating_point() and isinstance(indices, Tensor)):
+            return out
+        if indices.dtype != torch.int64 or not all(type(d) is int for d in (*source.shape, *indices.shape)):
+            return out
+        if name == "topk":
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            top_k, keep = (args[1] if len(args) > 1 else kwargs.get("k")), True
+        else:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            top_k, keep = 1, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        if not isinstance(dim, int) or not isinstance(top_k, int) or source.dim() == 0 or indices.numel() > self.limit:
+            return out
+        dim %= source.dim()
+        experts = source.size(dim)
+        rows = source.numel() // experts if experts else 0
+        if experts == 0 or rows * top_k != indices.numel() or top_k > experts:
+            return out
+        if not self.routing.chooses_among(self.router_calls, experts):  # type: ignore[union-attr]
+            return out
+        counts = self.routing.counts_for(self.router_calls, rows, top_k, experts)  # type: ignore[union-attr]
+        self.router_calls += 1
+        tracker = self.tracker
+        assert tracker is not None
+        tracker.unseen = True
+        try:
+            with unset_fake():
+                others = [source.size(d) for d in range(source.dim()) if d != dim]
+                choice = routed_indices(counts, rows, top_k).reshape(*others, top_k).movedim(-1, dim)
+                choice = (choice if keep else choice.squeeze(dim)).contiguous()
+        finally:
+            tracker.unseen = False
+        if tuple(choice.shape) != tuple(indices.shape):
+            return out
+        tracker.host(choice)
+        setattr(choice, _ROUTED, True)
+        setattr(choice, _STANDS_FOR, indices)  # the fake indices live as long as the choice: they are its memory
+        return choice if isinstance(out, Tensor) else type(out)((out[0], choice))
+
+    def _small_constant(self, func: Any, args: Any, kwargs: Any, drawn: bool = False) -> bool:
+        """Whether ``func`` makes a tensor from its arguments alone, on the CPU, of few elements (seen on meta); a
+        random draw of at most ``random_limit``."""
         if func not in self.factories:
             return False
         device = kwargs.get("device")
@@ -154,7 +244,51 @@ class KnownValues(TorchFunctionMode):
                 shape = func(*args, **{**kwargs, "device": "meta"})
         except Exception:
             return False
-        return isinstance(shape, Tensor) and shape.numel() <= self.limit
+        limit = min(self.limit, self.random_limit) if drawn else self.limit
+        return isinstance(shape, Tensor) and shape.numel() <= limit
+
+
+# The attribute that marks a real tensor computed from a routed choice, and the one that keeps its fake indices alive.
+_ROUTED = "_memtenants_routed"
+_STANDS_FOR = "_memtenants_stands_for"
+# The operators whose indices are a router's choice, and those whose output sizes follow the values they read.
+_CHOICES = frozenset({"topk", "argmax", "max"})
+_SIZES = frozenset(
+    {"nonzero", "argwhere", "where", "masked_select", "unique", "unique_consecutive", "bincount", "repeat_interleave",
+     "tolist", "histc", "split", "tensor_split", "__bool__", "__iter__"}
+)  # fmt: skip
+
+
+_INDEXING = frozenset({"__getitem__", "__setitem__"})
+
+
+def _integers(index: Any) -> Any:
+    """An index with its known 0-d integer tensors as Python integers, which is how torch's indexing takes them
+    (``applySlicing`` treats a 0-d integer tensor as an integer: a view, ``select``); a fake copy of one would
+    be read with ``.item()`` instead, a value the fake mode does not have."""
+
+    def plain(value: Any) -> Any:
+        integer = isinstance(value, Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+        if integer and value.dim() == 0 and is_known(value):
+            with unset_fake():
+                return int(value)
+        return value
+
+    if isinstance(index, tuple):
+        return tuple(plain(v) for v in index)
+    return plain(index)
+
+
+def _known_sizes(out: Any) -> None:
+    """Raise torch's data-dependent error, here, for an operator whose output sizes depend on unknown values.
+
+    Such a size (``torch.where(mask)`` of a fake mask) cannot be counted; raised at the operator, the error's
+    traceback names the user's line (:func:`branching_line`) rather than the monitor's measurement.
+    """
+    for tensor in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+        for size in tensor.shape:
+            if type(size) is not int:
+                int(size)  # an unbacked size raises GuardOnDataDependentSymNode; a backed one is a plain guard
 
 
 def _random(func: Any) -> bool:
@@ -220,7 +354,33 @@ def unknown_value_error(error: BaseException, what: str) -> PredictionError:
         The error to raise (``from None``), naming the line.
     """
     return PredictionError(
-        f"{what} cannot be predicted: {branching_line(error)} reads the value of a tensor computed from the"
+        f"{what} cannot be predicted: {branching_line(error)} needs the value of a tensor computed from the"
         " model's parameters or a floating-point input, which a dry run does not have (it keeps real only"
-        " constants and the batch's integer and boolean tensors)"
+        " constants, the batch's integer and boolean tensors, small random draws and a router's choice of experts,"
+        " which it assumes: see routing)"
     )
+
+
+def unknown_value_in(error: BaseException, tracker: LiveTensorTracker | None = None) -> BaseException | None:
+    """The data-dependent error behind ``error``, wherever the step's failure put it, or ``None``.
+
+    A value read in the user's code is ``error`` itself. One met while the tracker counted an operator's outputs
+    (a size no one knows) is kept in ``tracker.error`` and reaches the caller as the monitor's "measuring memory
+    source failed"; one hidden behind a later failure (the monitor closing) is in the exception's context.
+
+    Args:
+        error: what the step raised.
+        tracker: the dry run's tracker, whose first failure is read too.
+
+    Returns:
+        The error for :func:`unknown_value_error`, or ``None`` where the failure is something else.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if is_unknown_value(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    kept = tracker.error if tracker is not None else None
+    return kept if kept is not None and is_unknown_value(kept) else None
