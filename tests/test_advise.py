@@ -381,3 +381,333 @@ def test_a_lightning_module_given_an_optimizer_factory_gets_the_factory_changed(
     assert fixes["foreach=False"].peak_bytes == max(r.peak_bytes for r in single.reports)  # type: ignore[type-var]
     assert fixes["foreach=False"].apply is None and "the optimizer factory" in fixes["foreach=False"].how
     assert "make the optimizer factory return torch.optim.SGD(params" in fixes["SGD with momentum"].how
+
+
+# -- advise that applies: whole blocks, Hugging Face's cache, schedulers, manual optimization, what a fix changes --
+
+
+def tiny_hf(name: str) -> nn.Module:
+    """A Hugging Face model of 2 layers of width 64 from its config, with the cache on (``use_cache=True``, as a
+    config's default): T5, Mistral and Qwen2 with a sliding window, OPT, BART with stacks of 3 and 2 layers."""
+    import transformers as tf
+    from hf_models import HIDDEN as H
+    from hf_models import SEQ, VOCAB
+
+    torch.manual_seed(0)
+    sizes: dict[str, Any] = {"vocab_size": VOCAB, "attn_implementation": "sdpa"}
+    decoder = {"hidden_size": H, "intermediate_size": 2 * H, "num_hidden_layers": 2, "num_attention_heads": 4}
+    decoder.update(num_key_value_heads=2, max_position_embeddings=2 * SEQ, **sizes)
+    if name == "t5":
+        config = tf.T5Config(
+            d_model=H, d_kv=16, d_ff=2 * H, num_layers=2, num_heads=4, decoder_start_token_id=0, **sizes
+        )
+        return tf.T5ForConditionalGeneration(config)
+    if name == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=16, **decoder))
+    if name == "qwen2":
+        config = tf.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, **decoder)
+        return tf.Qwen2ForCausalLM(config)
+    if name == "opt":
+        config = tf.OPTConfig(
+            hidden_size=H, ffn_dim=2 * H, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * SEQ,
+            word_embed_proj_dim=H, **sizes,
+        )  # fmt: skip
+        return tf.OPTForCausalLM(config)
+    assert name == "bart"
+    config = tf.BartConfig(
+        d_model=H, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=2 * H, decoder_ffn_dim=2 * H, max_position_embeddings=2 * SEQ, **sizes,
+    )  # fmt: skip
+    return tf.BartForConditionalGeneration(config)
+
+
+def token_samples(padded: bool) -> list[dict[str, torch.Tensor]]:
+    """4 sequences of 32 tokens, the labels the tokens, right padding masked where ``padded``."""
+    from hf_models import BATCH, SEQ, VOCAB, padding_mask
+
+    generator = torch.Generator().manual_seed(1)
+    mask = padding_mask() if padded else torch.ones(BATCH, SEQ, dtype=torch.long)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator).masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(BATCH)]
+
+
+def fit_peak(module: L.LightningModule, data: list[Any], fix: MeasuredFix | None = None) -> tuple[int, L.Trainer]:
+    """The higher step peak of two optimizer steps of a real CPU fit, with ``fix`` applied; and the trainer."""
+    kwargs = dict(fix.trainer_kwargs) if fix is not None else {}
+    if fix is not None and fix.apply is not None:
+        fix.apply(module)
+    size = (fix.batch_size if fix is not None else None) or len(data) // 2
+    cb = MemoryTenantsCallback(track_every_step=True, print_summary=False)
+    trainer = make_trainer([cb], steps=2, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with no_collection():
+            trainer.fit(module, DataLoader(data, batch_size=size))
+    assert cb.first is not None and cb.latest is not None and (cb.first.step, cb.latest.step) == (0, 1)
+    return max(cb.first.peak_bytes, cb.latest.peak_bytes), trainer  # type: ignore[type-var]
+
+
+class SubLayers(nn.Module):
+    """A block whose sub-layers of different classes are in a ModuleList, as T5's ``T5Block.layer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([nn.Linear(4, 4), nn.Tanh()])
+
+
+def test_the_blocks_are_the_whole_repeated_layers_not_their_sub_layers() -> None:
+    from lightning_memtenants.predict.cluster import blocks_of, named_blocks
+
+    t5 = tiny_hf("t5")
+    # T5Block.layer (3 sub-layers) is longer than the 2-layer stacks: a list inside a block is never the blocks
+    assert [name for name, _ in named_blocks(t5)] == [
+        "encoder.block.0",
+        "encoder.block.1",
+        "decoder.block.0",
+        "decoder.block.1",
+    ]
+    assert blocks_of(t5) == [*t5.encoder.block, *t5.decoder.block]  # FSDP shards the same units
+    bart = tiny_hf("bart")  # stacks of 3 and 2 layers: transformers marks both as repeated layers
+    assert [name for name, _ in named_blocks(bart)] == [
+        *(f"model.encoder.layers.{i}" for i in range(3)),
+        *(f"model.decoder.layers.{i}" for i in range(2)),
+    ]
+    # the only ModuleLists are sub-layers of two blocks of one class: the blocks are those two
+    assert [name for name, _ in named_blocks(nn.Sequential(SubLayers(), SubLayers(), nn.Linear(4, 1)))] == ["0", "1"]
+    # one block alone: its list's children are what there is
+    lone = nn.Sequential(nn.Linear(4, 4), SubLayers())
+    assert [name for name, _ in named_blocks(lone)] == ["1.layer.0", "1.layer.1"]
+    # two lists as long, of other classes (test_cli's model): the first alone
+    tie = nn.Module()
+    tie.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))
+    tie.out = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    assert [name for name, _ in named_blocks(tie)] == ["blocks.0", "blocks.1"]
+    # the two stacks of an encoder-decoder that does not mark its layers: equal lists of one class
+    stacks = nn.Module()
+    stacks.encoder, stacks.decoder = nn.Module(), nn.Module()
+    stacks.encoder.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    stacks.decoder.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    assert len(named_blocks(stacks)) == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "padded"),
+    [
+        ("mistral", False),  # a sliding window, the cache on
+        pytest.param("t5", False, marks=pytest.mark.slow),  # an encoder-decoder: both stacks
+        pytest.param("qwen2", True, marks=pytest.mark.slow),  # a sliding window and padding
+        pytest.param("opt", True, marks=pytest.mark.slow),  # padding
+    ],
+)
+def test_checkpointing_a_transformers_model_turns_its_cache_off_and_holds_in_a_real_fit(
+    name: str, padded: bool
+) -> None:
+    """Checkpointed with the cache on, the recomputation writes the KV cache again and fails; the fix checkpoints as
+    transformers' gradient_checkpointing_enable() does, cache off, and a real step with it reaches its peak."""
+    from hf_models import HFModule
+
+    data = token_samples(padded) * 2
+    advice = advise(HFModule(tiny_hf(name)), torch.utils.data.default_collate(data[:4]), "1GiB")
+    assert not [note for note in advice.notes if "left out" in note]
+    (fix,) = [fix for fix in advice.fixes if fix.name.startswith("activation checkpointing")]
+    blocks = 4 if name == "t5" else 2
+    assert fix.name == f"activation checkpointing ({blocks} of {blocks} blocks)"  # fits already: every block
+    assert fix.saves_bytes > 0 and not fix.changes_training
+    module = HFModule(tiny_hf(name))
+    peak, _ = fit_peak(module, data, fix)
+    assert peak == fix.peak_bytes
+    layers = [m for m in module.modules() if type(m).__name__.endswith(("Block", "DecoderLayer"))]
+    assert len(layers) == blocks and all(layer.gradient_checkpointing for layer in layers)
+
+
+class Alternating(nn.Module):
+    """A block that computes another way each time it runs: checkpointing's recomputation saves other tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(WIDTH, 16), nn.Linear(16, WIDTH), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x)
+        return self.b(h * h if self.calls % 2 else h + 1)
+
+
+def test_a_fix_whose_dry_run_fails_is_left_out_with_a_note_and_the_rest_is_measured() -> None:
+    model = Blocks(hidden=(16, 16))
+    model.blocks[1] = Alternating()
+    advice = advise(model, shapes(8), "1GiB")
+    assert not any(fix.name.startswith("activation checkpointing") for fix in advice.fixes)
+    (note,) = [note for note in advice.notes if note.startswith("activation checkpointing")]
+    assert note.startswith(
+        "activation checkpointing (2 of 2 blocks): left out, as a dry run of the step with it failed (CheckpointError:"
+    )
+    assert "\n" not in note
+    assert {"bf16-mixed", "SGD with momentum", "Adafactor"} <= {fix.name for fix in advice.fixes}
+
+
+class Distributed(Blocks):
+    """A step that refuses to run under torch.distributed: the FSDP candidate's dry runs fail, the others do not."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError("this step runs on one device only")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failing_fsdp_candidate_never_fails_advise() -> None:
+    advice = advise(Distributed(hidden=(16, 16)), shapes(8), "1GiB", fsdp_ranks=(2,))
+    assert not any(fix.name.startswith("FSDP") for fix in advice.fixes)
+    assert (
+        "FSDP over N ranks: left out, as a dry run of the step with it failed (RuntimeError: this step runs on one"
+        " device only)"
+    ) in advice.notes
+    assert any(fix.name.startswith("smaller micro-batch") for fix in advice.fixes)
+
+
+class WithScheduler(Blocks):
+    """``configure_optimizers`` in each form a scheduler takes: ``[opt], [sched]``, or a dict with OneCycleLR or
+    StepLR."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(hidden=(16, 16))
+        self.form = form
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        if self.form == "list":
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+        if self.form == "onecycle":
+            scheduler: Any = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=10)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("form", ["list", "onecycle", "steplr"])
+def test_another_optimizer_keeps_the_schedulers_working_in_a_real_fit(form: str) -> None:
+    advice = advise(WithScheduler(form), shapes(8), "1GiB")
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(WIDTH, generator=generator),) for _ in range(16)]
+    _, unchanged = fit_peak(WithScheduler(form), data)
+    scheduled = unchanged.optimizers[0].param_groups[0]["lr"]  # the learning rate the schedule gives after 2 steps
+    assert scheduled != pytest.approx(1e-2 / 25 if form == "onecycle" else 1e-3)  # it moved
+    for name, kind in (("SGD with momentum", torch.optim.SGD), ("Adafactor", torch.optim.Adafactor)):
+        (fix,) = [fix for fix in advice.fixes if fix.name == name]
+        peak, trainer = fit_peak(WithScheduler(form), data, fix)
+        assert peak == fix.peak_bytes, name
+        (optimizer,) = trainer.optimizers
+        (config,) = trainer.lr_scheduler_configs
+        assert type(optimizer) is kind and config.scheduler.optimizer is optimizer
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(scheduled), name  # the same schedule
+
+
+class Manual(Blocks):
+    """Manual optimization: the step zeroes, backs up and steps its optimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=(64, 256))
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        (x,) = batch
+        self.manual_backward(self(x).pow(2).mean())
+        optimizer.step()  # type: ignore[union-attr]
+
+
+def test_manual_optimization_gets_the_fixes_that_apply_to_it() -> None:
+    advice = advise(Manual(), shapes(64), "1GiB")
+    names = {fix.name for fix in advice.fixes}
+    assert not any(name.startswith("smaller micro-batch") for name in names)
+    assert any("automatic_optimization=False" in note and "accumulate_grad_batches" in note for note in advice.notes)
+    assert {"activation checkpointing (2 of 2 blocks)", "SGD with momentum", "bf16-mixed"} <= names
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(WIDTH, generator=generator),) for _ in range(128)]
+    for fix in advice.fixes:
+        if fix.name in ("activation checkpointing (2 of 2 blocks)", "SGD with momentum"):
+            assert fit_peak(Manual(), data, fix)[0] == fix.peak_bytes, fix.name
+
+
+class Normed(Blocks):
+    """A BatchNorm inside block 0: its statistics are the batch's, and it updates running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=(16, 16))
+        self.blocks[0].insert(1, nn.BatchNorm1d(16))
+
+
+class Contrastive(Blocks):
+    """An in-batch loss: each sample's embedding against every other's, a batch x batch matrix of logits."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=(16, 16))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        z = x
+        for block in self.blocks:
+            z = z + block(z)
+        logits = z @ z.T
+        return nn.functional.cross_entropy(logits, torch.arange(len(z)))
+
+
+def test_a_smaller_batch_is_marked_where_the_step_sees_the_batch_as_a_whole() -> None:
+    normed = advise(Normed(), shapes(8), "1GiB", fsdp_ranks=(2,))
+    fixes = {fix.name.split(" (")[0]: fix for fix in normed.fixes}
+    for name in ("smaller micro-batch", "FSDP over 2 ranks"):  # a rank's BatchNorm sees its own share too
+        assert fixes[name].changes_training and "BatchNorm normalizes over the batch" in fixes[name].training_note
+        assert fixes[name].training_note in fixes[name].how
+    assert not fixes["bf16-mixed"].changes_training and fixes["bf16-mixed"].training_note == ""
+    # checkpointing block 0 would update BatchNorm's running statistics twice: only block 1 is offered
+    assert fixes["activation checkpointing"].name == "activation checkpointing (1 of 1 blocks)"
+    assert "blocks.0 left out, as their BatchNorm would update its running statistics again" in " ".join(normed.notes)
+    contrastive = advise(Contrastive(), shapes(8), "1GiB")
+    (micro,) = [fix for fix in contrastive.fixes if fix.name.startswith("smaller micro-batch")]
+    assert micro.changes_training and "a batch x batch matrix" in micro.training_note
+    assert micro.to_dict()["training_note"] == micro.training_note
+    # a square weight as wide as the batch is not an in-batch loss: Blocks at 16 samples, blocks 16 and 8 wide
+    plain = advise(Blocks(hidden=(16, 8)), shapes(16), "1GiB")
+    (micro,) = [fix for fix in plain.fixes if fix.name.startswith("smaller micro-batch")]
+    assert micro.batch_size == 8 and not micro.changes_training and micro.training_note == ""
+
+
+ONE_DEVICE_MODULE = """
+import lightning as L
+import torch
+from torch import nn
+
+
+class OneDevice(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(64, 16)
+
+    def training_step(self, batch, batch_idx):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError("this step runs on one device only")
+        x = batch[0]
+        return self.out(self.blocks[1](self.out(self.blocks[0](x)))).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def example_batch(self, batch_size, seq_len=None):
+        return (torch.randn(batch_size, 16),)
+"""
+
+
+def test_the_command_prints_the_advice_and_says_which_fix_failed_not_the_step(tmp_path: Any, cli: Any) -> None:
+    path = tmp_path / "one_device.py"
+    path.write_text(ONE_DEVICE_MODULE)
+    run = cli("advise", f"{path}:OneDevice", "--batch-size", "8", "--budget", "1GiB", "--fsdp-ranks", "2")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert (
+        "FSDP over N ranks: left out, as a dry run of the step with it failed (RuntimeError: this step runs on one"
+        " device only)"
+    ) in lines
+    assert any(line.startswith("bf16-mixed  ") for line in lines) and "training step" not in run.stderr

@@ -9,9 +9,10 @@ holds in a real fit from its first step on, to the byte on the CPU.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,7 @@ from lightning_memtenants._private import FakeTensor, TorchDispatchMode
 from lightning_memtenants.analysis.forecast import limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors, storage_key
-from lightning_memtenants.predict.cluster import named_blocks
+from lightning_memtenants.predict.cluster import hf_layer, named_blocks
 from lightning_memtenants.predict.dryrun import DEFAULTS, ModelArg, Prediction, PredictOptions, _frozen, batch_at
 from lightning_memtenants.predict.fake import check_precision, preserving_globals
 from lightning_memtenants.units import parse_bytes
@@ -38,6 +39,8 @@ SGD = "SGD with momentum"
 ADAFACTOR = "Adafactor"
 # Adafactor's learning rate where the model's optimizer gives none (torch's default).
 ADAFACTOR_LR = 1e-2
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,10 @@ class MeasuredFix:
             ``configure_optimizers`` returns), or None where the fix needs no change to the module;
             ``apply(module)`` raises ValueError naming ``module`` for anything but an ``nn.Module``.
         how: one sentence of the code the user writes.
-        changes_training: the fix changes what training computes (another optimizer), not only its memory.
+        changes_training: the fix changes what training computes, not only its memory: another optimizer, or a
+            smaller micro-batch where the step's result depends on the batch as a whole (BatchNorm's statistics, a
+            loss that compares each sample with the others, as a contrastive loss does).
+        training_note: why the fix changes training, one sentence (also the end of ``how``); empty where it does not.
     """
 
     name: str
@@ -70,13 +76,14 @@ class MeasuredFix:
     apply: Callable[[nn.Module], None] | None
     how: str
     changes_training: bool = False
+    training_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The fix as JSON holds it (the command's, the postmortem's): every field but ``apply``, a callable.
 
         Returns:
             ``name``, ``peak_bytes``, ``saves_bytes``, ``fits``, ``trainer_kwargs``, ``batch_size``,
-            ``changes_training`` and ``how``.
+            ``changes_training``, ``training_note`` and ``how``.
         """
         return {
             "name": self.name,
@@ -86,6 +93,7 @@ class MeasuredFix:
             "trainer_kwargs": self.trainer_kwargs,
             "batch_size": self.batch_size,
             "changes_training": self.changes_training,
+            "training_note": self.training_note,
             "how": self.how,
         }
 
@@ -101,7 +109,8 @@ class Advice:
         limit_bytes: what a step may reach: the budget less the margin.
         batch_size: the batch's samples (the leading size of its first tensor).
         fixes: the measured fixes, those that fit first, then by peak.
-        notes: the candidates that were not tried, and why.
+        notes: the candidates that were not tried, or were tried and left out (their dry run failed), and why: one
+            sentence each.
     """
 
     baseline_peak_bytes: int
@@ -132,13 +141,22 @@ def advise(
     """Measure each candidate fix for a step by dry runs, against a budget: what each one's peak would be.
 
     The candidates: ``bf16-mixed`` (from ``32-true``); activation checkpointing of the blocks that save the most
-    (the blocks are the children of the model's longest ``nn.ModuleList``, else its top-level children), the
-    fewest that fit; a smaller micro-batch with ``accumulate_grad_batches`` keeping the effective batch, the
-    largest that fits; the optimizer's implementation (``foreach=False``, ``fused=True``) where it takes them;
-    cheaper optimizers (SGD with momentum, Adafactor), marked as changing training; FSDP2 over ``fsdp_ranks``
-    ranks; and where no fix that keeps the batch and the training fits, combinations of bf16-mixed,
-    checkpointing and the micro-batch. Where the baseline fits already, each
-    candidate shows what it would save: checkpointing every block, half the micro-batch.
+    (the model's repeated layers, :func:`~lightning_memtenants.predict.cluster.named_blocks`, else its top-level
+    children; a transformers layer through its own ``gradient_checkpointing``, the KV cache off; never a block whose
+    BatchNorm would update its running statistics again in the recomputation), the fewest that fit; a smaller
+    micro-batch with ``accumulate_grad_batches`` keeping the effective batch, the largest that fits (not under
+    manual optimization, where Lightning refuses the accumulation); the optimizer's implementation
+    (``foreach=False``, ``fused=True``) where it takes them; cheaper optimizers (SGD with momentum, Adafactor),
+    marked as changing training, the schedulers moved onto them; FSDP2 over ``fsdp_ranks`` ranks; and where no fix
+    that keeps the batch and the training fits, combinations of bf16-mixed, checkpointing and the micro-batch.
+    Where the baseline fits already, each candidate shows what it would save: checkpointing every block, half the
+    micro-batch. A smaller batch per device is marked as changing training where the step sees the batch as a
+    whole (BatchNorm in training mode, a batch x batch product such as a contrastive loss's).
+
+    Each fix is measured by a dry run of the step with the fix applied, as ``fix.apply`` applies it: a candidate
+    whose dry runs fail (a recomputation that differs, a step that cannot run sharded) is left out, with one
+    sentence in ``notes``; one failing candidate never fails the others. Only the step without a fix failing
+    fails ``advise``, with the step's own error.
 
     The user's step runs under fake tensors, once per candidate and size tried: what it does that reads no tensor
     value runs again each time (a ``print``, a counter, a line written to a log file). The caller's objects are
@@ -193,13 +211,12 @@ def advise(
     if options.get("strategy") is not None or options.get("world_size", 1) != 1:
         raise ValueError("strategy and world_size: advise measures one device's step; give fsdp_ranks for FSDP")
     runner = _Runner(model, batch, make_batch, dict(options), limit, tuple(sorted(set(ranks))))
-    baseline = runner.baseline()
+    baseline = runner.baseline()  # the user's own step: where it fails, advise fails with its error
     fixes, notes = _candidates(runner)
-    measured = [_measured(runner, baseline, limit, candidate) for candidate in fixes]
+    measured = _measure_all(runner, baseline, limit, fixes, notes)
     keeping = [fix for fix in measured if fix.fits and fix.batch_size is None and not fix.changes_training]
     if baseline > limit and not keeping:  # no fix that keeps the batch and the training fits: combine them
-        for candidate in _combinations(runner, notes):
-            measured.append(_measured(runner, baseline, limit, candidate))
+        measured += _measure_all(runner, baseline, limit, _combinations(runner, notes, measured), notes)
     measured.sort(key=lambda fix: (not fix.fits, fix.peak_bytes, fix.name))
     return Advice(baseline, int(total), float(margin), limit, runner.samples, measured, notes)
 
@@ -239,6 +256,53 @@ class _AnyScalar(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 1.0 if args[0].is_floating_point() else 1
         return func(*args, **(kwargs or {}))
+
+
+# the operators whose result is an n x n matrix of their operands' rows, and batch norm's (a bool argument: training)
+_PRODUCTS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_cdist_forward": (0, 1)}
+_BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm"}
+
+
+class _BatchWide(TorchDispatchMode):
+    """Notes, and never changes, what makes a step's result depend on its batch as a whole: a batch norm in training
+    mode over more than one row, and the sizes of square products of two tensors computed from the batch (an
+    activation times a weight, or an autocast copy of one, is not one).
+
+    What is computed from the batch is followed by storage: the batch's tensors, then every output of an operator
+    that reads one of them.
+    """
+
+    def __init__(self, batch: Any, squares: set[int]) -> None:
+        super().__init__()
+        self.squares = squares
+        self.from_batch = {_key(t) for t in batch_tensors(batch)}
+        self.batch_norm = False  # a batch norm in training mode, over more than one row
+        self.running_stats = False  # one that updates running statistics: a recomputation would update them again
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.from_batch and any(_key(t) in self.from_batch for t in batch_tensors((args, kwargs))):
+            self.from_batch.update(_key(t) for t in batch_tensors(out))
+        name = func.overloadpacket.__name__
+        if name in _BATCH_NORMS:
+            training = next((a for a in args if isinstance(a, bool)), False)
+            if training and isinstance(args[0], Tensor) and args[0].dim() and args[0].shape[0] > 1:
+                self.batch_norm = True
+            self.running_stats |= training and len(args) > 3 and isinstance(args[3], Tensor)
+        elif name in _PRODUCTS and isinstance(out, Tensor) and out.dim() >= 2 and out.shape[-1] == out.shape[-2]:
+            operands = [args[i] for i in _PRODUCTS[name]]
+            if all(isinstance(t, Tensor) and _key(t) in self.from_batch for t in operands):
+                self.squares.add(int(out.shape[-1]))
+        return out
+
+
+def _key(tensor: Tensor) -> int:
+    """The storage's key, or the tensor's own for a tensor without one (a wrapper subclass): ids only, so that no
+    storage is kept alive by being watched."""
+    try:
+        return storage_key(tensor)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(tensor)
 
 
 def _any_scalar_step(step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -290,6 +354,11 @@ class _Runner:
         self.samples = 1
         self.blocks: list[tuple[str, int]] = []  # (name, bytes saved for backward), most first
         self.optimizers: list[tuple[type, dict[str, Any]]] = []  # (class, the first group's flags)
+        self.manual = False  # the LightningModule optimizes by hand (automatic_optimization=False)
+        self.batch_norm = False  # a step normalizes over the batch (BatchNorm in training mode)
+        self.squares: dict[int | None, set[int]] = {}  # by micro-batch (None: as given): n of n x n products seen
+        self.unsafe_blocks: list[str] = []  # blocks whose recomputation would differ: never checkpointed
+        self.bad_argument: BaseException | None = None  # what make_batch raised, raised by advise as it is
 
     def baseline(self) -> int:
         """The step's own peak; its dry run checks every argument, finds the batch size and sees the optimizers."""
@@ -335,8 +404,18 @@ class _Runner:
             else:
                 options["optimizer"] = lambda params: seen(change.change(factory(params), dry=True))
         modules = _module_change(setting.blocks, change if self.configured else None, dry=True)
+        squares = self.squares.setdefault(setting.micro, set())
+        lightning = self.options.get("loss_fn") is None
+        if not lightning:
+            loss_fn = self.options["loss_fn"]
+            options["loss_fn"] = lambda module, batch: self._watched(batch, squares, lambda: loss_fn(module, batch))
 
         def prepared(fake: nn.Module) -> None:
+            if record:
+                self.manual = lightning and getattr(fake, "automatic_optimization", True) is False
+            step = getattr(fake, "training_step", None)
+            if lightning and callable(step):
+                fake.training_step = lambda *a, **k: self._watched((a, k), squares, lambda: step(*a, **k))  # type: ignore[method-assign]
             modules(fake)
             if prepare is not None:
                 prepare(fake)
@@ -347,6 +426,33 @@ class _Runner:
         batch = self.batch if setting.micro is None else self.micro_batch(setting.micro)
         return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
 
+    def _watched(self, batch: Any, squares: set[int], run: Callable[[], Any]) -> Any:
+        """``run()``, the user's step on ``batch``, with what makes its result depend on the whole batch noted."""
+        watch = _BatchWide(batch, squares)
+        with watch:
+            out = run()
+        self.batch_norm |= watch.batch_norm
+        return out
+
+    def training_change(self, setting: _Setting) -> str:
+        """Why ``setting``'s smaller batch a device changes what the step computes, one sentence; empty if it does
+        not: BatchNorm in training mode, or an n x n product of activations at the whole batch and the micro-batch
+        (a contrastive or in-batch loss; an n x n product at one size alone is a square weight or attention)."""
+        if setting.micro is None:
+            return ""
+        reasons = []
+        if self.batch_norm:
+            reasons.append("BatchNorm normalizes over the batch in training")
+        whole, micro = self.squares.get(None, set()), self.squares.get(setting.micro, set())
+        if self.samples in whole and setting.micro in micro:
+            reasons.append("the step multiplies the batch by itself (a batch x batch matrix, as in a contrastive loss)")
+        if not reasons:
+            return ""
+        return (
+            f"it changes training: {' and '.join(reasons)}, so a batch of {setting.micro} samples a device computes"
+            f" other values than {self.samples}"
+        )
+
     def _seen(self, optimizer: Optimizer) -> Optimizer:
         group = optimizer.param_groups[0] if optimizer.param_groups else {}
         flags = {key: group.get(key) for key in ("foreach", "fused") if key in optimizer.defaults}
@@ -356,21 +462,27 @@ class _Runner:
     def micro_batch(self, size: int) -> Any:
         """The batch at ``size`` samples: ``make_batch(size)``, else the given batch cut along its leading size."""
         if self.make_batch is not None:
-            return batch_at(self.make_batch, size)
+            try:
+                return batch_at(self.make_batch, size)
+            except Exception as error:  # the caller's make_batch: raised by advise as it is, never a note
+                self.bad_argument = error
+                raise
         return _resized(self.batch, self.samples, size)
 
     def rank_blocks(self) -> None:
         """What each block saves for backward, in a one-step dry run: the storages made inside it and kept."""
         saved: dict[str, int] = {}
+        unsafe: set[str] = set()
 
         def measure(fake: nn.Module) -> None:
             for name, block in _blocks(fake):
                 saved[name] = 0
-                block.forward = _Measured(block, name, saved)  # type: ignore[method-assign]
+                block.forward = _Measured(block, name, saved, unsafe)  # type: ignore[method-assign]
 
         self._run(self.base, steps=1, prepare=measure)
         ranked = sorted(saved.items(), key=lambda item: -item[1])
-        self.blocks = [(name, nbytes) for name, nbytes in ranked if nbytes > 0]
+        self.blocks = [(name, nbytes) for name, nbytes in ranked if nbytes > 0 and name not in unsafe]
+        self.unsafe_blocks = [name for name in saved if name in unsafe]
 
 
 def _same(optimizer: Optimizer) -> Optimizer:
@@ -396,10 +508,11 @@ class _Checkpointed:
 
 
 class _Measured:
-    """A block's forward that adds up the bytes of the storages it makes and saves for backward."""
+    """A block's forward that adds up the bytes of the storages it makes and saves for backward, and notes a block
+    whose recomputation would differ: a batch norm updating its running statistics would update them twice."""
 
-    def __init__(self, block: nn.Module, name: str, saved: dict[str, int]) -> None:
-        self.block, self.name, self.saved = block, name, saved
+    def __init__(self, block: nn.Module, name: str, saved: dict[str, int], unsafe: set[str]) -> None:
+        self.block, self.name, self.saved, self.unsafe = block, name, saved, unsafe
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kept = {storage_key(t) for t in (*self.block.parameters(), *self.block.buffers())}
@@ -413,12 +526,20 @@ class _Measured:
                 self.saved[self.name] += int(tensor.untyped_storage().nbytes())
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            return type(self.block).forward(self.block, *args, **kwargs)
+        watch = _BatchWide(None, set())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), watch:
+            out = type(self.block).forward(self.block, *args, **kwargs)
+        if watch.running_stats:
+            self.unsafe.add(self.name)
+        return out
 
 
 def checkpoint_blocks(module: nn.Module, names: Sequence[str]) -> None:
     """Wrap the named blocks of ``module`` in non-reentrant activation checkpointing, in place; twice is once.
+
+    A transformers layer (a ``GradientCheckpointingLayer``) is switched by its own ``gradient_checkpointing`` flag,
+    as ``gradient_checkpointing_enable()`` switches every layer, with the models above it, so that the step runs
+    with the KV cache off: wrapped from outside, its recomputation would write the cache again.
 
     Args:
         module: the model (a LightningModule or any ``nn.Module``).
@@ -436,8 +557,27 @@ def checkpoint_blocks(module: nn.Module, names: Sequence[str]) -> None:
             block = module.get_submodule(name)
         except AttributeError:
             raise ValueError(f"names: {type(module).__name__} has no block {name!r}") from None
-        if not isinstance(block.__dict__.get("forward"), _Checkpointed):
+        if hf_layer(block):
+            _hf_checkpointing(module, name, block)
+        elif not isinstance(block.__dict__.get("forward"), _Checkpointed):
             block.forward = _Checkpointed(block)  # type: ignore[method-assign]
+
+
+def _hf_checkpointing(module: nn.Module, name: str, block: nn.Module) -> None:
+    """Hugging Face's own checkpointing of one layer, as ``gradient_checkpointing_enable()`` sets it for every layer.
+
+    The layer's ``gradient_checkpointing`` flag makes it checkpoint itself and drop the KV cache it is handed; the
+    same flag on the models above it (``MistralModel``, T5's stacks) turns ``use_cache`` off for the step, so that
+    the recomputation does not write the cache again; modules inside the layer that read the flag (T5's attention)
+    get it too. Other layers keep theirs.
+    """
+    func = functools.partial(checkpoint, use_reentrant=False)
+    parts = name.split(".")
+    above = [module.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
+    for m in [*above, *block.modules()]:
+        if isinstance(getattr(m, "gradient_checkpointing", None), bool):
+            m.gradient_checkpointing = True
+            m._gradient_checkpointing_func = func
 
 
 def _module_change(
@@ -475,28 +615,70 @@ def _changed_optimizers(configure: Callable[[], Any], change: _OptimizerChange, 
 
 
 def _map_optimizers(returned: Any, fn: Callable[[Optimizer], Optimizer]) -> Any:
-    """What ``configure_optimizers`` returned, each optimizer passed through ``fn``; schedulers follow theirs."""
-    if isinstance(returned, Optimizer):
-        return fn(returned)
-    if isinstance(returned, dict):
-        out = dict(returned)
-        if isinstance(out.get("optimizer"), Optimizer):
-            old = out["optimizer"]
-            out["optimizer"] = new = fn(old)
-            scheduler = out.get("lr_scheduler")
-            scheduler = scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler
-            if new is not old and scheduler is not None and getattr(scheduler, "optimizer", None) is old:
-                scheduler.optimizer = new
-        return out
-    if isinstance(returned, (list, tuple)):
-        mapped = [_map_optimizers(item, fn) for item in returned]
-        return type(returned)(mapped) if isinstance(returned, list) else tuple(mapped)
-    return returned
+    """What ``configure_optimizers`` returned, each optimizer passed through ``fn``, each scheduler moved to its
+    optimizer's replacement: every form Lightning takes (an optimizer, lists of optimizers and schedulers, dicts)."""
+    replaced: dict[int, tuple[Optimizer, Optimizer]] = {}
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, Optimizer):
+            if id(item) not in replaced:
+                replaced[id(item)] = (item, fn(item))
+            return replaced[id(item)][1]
+        if isinstance(item, dict):
+            return {key: walk(value) for key, value in item.items()}
+        if isinstance(item, list):
+            return [walk(value) for value in item]
+        if isinstance(item, tuple) and not hasattr(item, "_fields"):
+            return tuple(walk(value) for value in item)
+        return item
+
+    out = walk(returned)
+    if any(new is not old for old, new in replaced.values()):
+        for scheduler in _schedulers(out):
+            old = scheduler.optimizer
+            if id(old) in replaced and replaced[id(old)][1] is not old:
+                _follow(scheduler, old, replaced[id(old)][1])
+    return out
+
+
+def _schedulers(item: Any) -> Iterator[Any]:
+    """The learning-rate schedulers in what ``configure_optimizers`` returned, those that chain others included."""
+    if isinstance(item, dict):
+        for value in item.values():
+            yield from _schedulers(value)
+    elif isinstance(item, (list, tuple)):
+        for value in item:
+            yield from _schedulers(value)
+    elif isinstance(getattr(item, "optimizer", None), Optimizer):
+        yield item
+        for inner in getattr(item, "_schedulers", None) or ():  # SequentialLR's and ChainedScheduler's
+            yield from _schedulers(inner)
+
+
+def _follow(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
+    """``scheduler``, made for ``old``, moved to its replacement ``new``: what the scheduler wrote in the parameter
+    groups (``initial_lr``; ``max_lr``, ``min_lr`` and the momenta for OneCycleLR) and the current learning rate
+    go over with it, so that its next ``step()`` finds them; a cycled momentum follows the new optimizer's own
+    (SGD's ``momentum``, Adam's first beta), or stops where it has none (Adafactor)."""
+    # a scheduler's constructor marks its optimizer's step() as stepped before its own (else torch warns that the
+    # step was overridden): a throwaway LambdaLR's does that for ``new``; the learning rates are set again below (a
+    # dry run's Adafactor, whose step is a wrapper and not a method, is left as it is)
+    if inspect.ismethod(new.step):
+        torch.optim.lr_scheduler.LambdaLR(new, lambda _: 1.0)
+    for before, after in zip(old.param_groups, new.param_groups, strict=False):
+        for key, value in before.items():
+            if key != "params" and key not in old.defaults:
+                after[key] = value
+        after["lr"] = before["lr"]
+    if getattr(scheduler, "cycle_momentum", False):  # OneCycleLR, CyclicLR: the momentum the new optimizer has
+        scheduler.use_beta1 = "betas" in new.defaults
+        scheduler.cycle_momentum = scheduler.use_beta1 or "momentum" in new.defaults
+    scheduler.optimizer = new
 
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks to checkpoint: the children of the longest ``nn.ModuleList``, else the top-level children (a lone
-    child stands for its own children)."""
+    """The blocks to checkpoint: the model's repeated layers (``named_blocks``, FSDP's units too), else the top-level
+    children (a lone child stands for its own children)."""
     listed = named_blocks(module)
     if listed:
         return listed
@@ -536,23 +718,62 @@ def _resized(batch: Any, samples: int, size: int) -> Any:
 
 
 def _candidates(runner: _Runner) -> tuple[list[_Candidate], list[str]]:
-    """Every single fix that applies to this step, with its setting searched where it has a size (blocks, batch)."""
-    base, notes, found = runner.base, [], []
+    """Every single fix that applies to this step, with its setting searched where it has a size (blocks, batch).
+
+    A candidate whose dry runs fail is left out with a note: one failing candidate never fails the others.
+    """
+    base, notes = runner.base, []
+    found: list[_Candidate | None] = []
     if check_precision(base.precision) == "32-true":
         found.append(_Candidate(BF16, _Setting(BF16, base.accumulate), "Trainer(precision='bf16-mixed')"))
     else:
         notes.append(f"{BF16}: the step runs in {base.precision} already")
-    checkpointed = _checkpoint_candidate(runner, base, notes)
-    if checkpointed is not None:
-        found.append(checkpointed)
-    micro = _micro_candidate(runner, base, notes)
-    if micro is not None:
-        found.append(micro)
-    found += _optimizer_candidates(runner, base, notes)
-    fsdp = _fsdp_candidate(runner, base, notes)
-    if fsdp is not None:
-        found.append(fsdp)
-    return found, notes
+    found.append(_attempt(runner, notes, CHECKPOINTING, lambda: _checkpoint_candidate(runner, base, notes)))
+    found.append(_attempt(runner, notes, MICRO_BATCH, lambda: _micro_candidate(runner, base, notes)))
+    found += _attempt(runner, notes, "the optimizer", lambda: _optimizer_candidates(runner, base, notes)) or []
+    found.append(_attempt(runner, notes, "FSDP over N ranks", lambda: _fsdp_candidate(runner, base, notes)))
+    return [candidate for candidate in found if candidate is not None], notes
+
+
+def _attempt(runner: _Runner, notes: list[str], name: str, run: Callable[[], _T]) -> _T | None:
+    """``run()``, or None with a note where it raises: a fix whose dry run fails is not offered. A bad argument of
+    the caller's (``make_batch`` failing for a size) is raised as it is: it is no candidate's failure."""
+    try:
+        return run()
+    except Exception as error:  # any failure of one candidate's dry runs: the others go on
+        if error is runner.bad_argument:
+            raise
+        notes.append(failed_note(name, error))
+        return None
+
+
+def failed_note(name: str, error: BaseException) -> str:
+    """The one sentence of a candidate left out because a dry run of the step with it failed.
+
+    Args:
+        name: the candidate, e.g. ``"activation checkpointing (2 of 2 blocks)"``.
+        error: what its dry run raised.
+
+    Returns:
+        ``"<name>: left out, as a dry run of the step with it failed (<error type>: <its first line>)"``.
+    """
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    first = first if len(first) <= 200 else first[:197] + "..."
+    detail = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return f"{name}: left out, as a dry run of the step with it failed ({detail})"
+
+
+def _measure_all(
+    runner: _Runner, baseline: int, limit: int, candidates: list[_Candidate], notes: list[str]
+) -> list[MeasuredFix]:
+    """Each candidate measured by its own dry run, the fix applied; one that fails there is left out with a note."""
+    measured = []
+    for candidate in candidates:
+        fix = _attempt(runner, notes, candidate.name, functools.partial(_measured, runner, baseline, limit, candidate))
+        if fix is not None:
+            measured.append(fix)
+    return measured
 
 
 def _fewest_blocks(runner: _Runner, setting: _Setting) -> _Setting:
@@ -574,6 +795,12 @@ def _fewest_blocks(runner: _Runner, setting: _Setting) -> _Setting:
 
 def _checkpoint_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candidate | None:
     runner.rank_blocks()
+    if runner.unsafe_blocks:
+        listed = ", ".join(runner.unsafe_blocks)
+        notes.append(
+            f"{CHECKPOINTING}: {listed} left out, as their BatchNorm would update its running statistics again when"
+            " checkpointing recomputes the block"
+        )
     if not runner.blocks:
         notes.append(f"{CHECKPOINTING}: the model has no blocks that save tensors for backward")
         return None
@@ -638,6 +865,12 @@ def _largest_micro(runner: _Runner, setting: _Setting) -> _Setting | None:
 
 
 def _micro_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candidate | None:
+    if runner.manual:
+        notes.append(
+            f"{MICRO_BATCH}: the module optimizes by hand (automatic_optimization=False), where Lightning's"
+            " accumulate_grad_batches must be 1; accumulate in training_step to step on smaller micro-batches"
+        )
+        return None
     if callable(runner.batch) and runner.make_batch is None:
         notes.append(f"{MICRO_BATCH}: the batch is a callable; give make_batch(batch_size) to try smaller ones")
         return None
@@ -703,7 +936,7 @@ def _fsdp_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candi
     Each rank takes ``samples / N`` of the batch (with the same accumulation), so the effective batch is the
     same; its peak is the highest of rank 0's two steps and every rank's last (``dry_run(...).ranks``), by
     ``dry_run(strategy="fsdp", world_size=N)``: FSDP2's ``fully_shard``, the module's own ``configure_model``
-    where it shards, else per block of its longest ``nn.ModuleList`` and the root. Where none fits, the most ranks.
+    where it shards, else per block (its repeated layers) and the root. Where none fits, the most ranks.
     """
     if not runner.fsdp_ranks:
         notes.append("FSDP over N ranks: give fsdp_ranks=(2, 4, 8) to measure it (one dry run per rank class)")
@@ -731,35 +964,41 @@ def _fsdp_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candi
     return _Candidate(f"FSDP over {n} ranks", setting, how)
 
 
-def _combinations(runner: _Runner, notes: list[str]) -> list[_Candidate]:
-    """Where no single fix fits: bf16-mixed with checkpointing, with the micro-batch, and all three."""
+def _combinations(runner: _Runner, notes: list[str], measured: list[MeasuredFix]) -> list[_Candidate]:
+    """Where no single fix fits: bf16-mixed with checkpointing, with the micro-batch, and all three; each of
+    checkpointing and the micro-batch only where its single fix was measured, and each combination searched on its
+    own (one whose dry runs fail is left out with a note)."""
     base, found = runner.base, []
     bf16 = check_precision(base.precision) == "32-true"
-    splittable = not (callable(runner.batch) and runner.make_batch is None) and bool(_micro_sizes(runner.samples))
-    every = tuple(name for name, _ in runner.blocks)
+    kinds = {fix.name.split(" (")[0] for fix in measured}
+    splittable = MICRO_BATCH in kinds
+    every = tuple(name for name, _ in runner.blocks) if CHECKPOINTING in kinds else ()
     low = _with(base, precision=BF16) if bf16 else base
     parts_bf16 = ["Trainer(precision='bf16-mixed')"] if bf16 else []
-    if bf16 and every:
+
+    def checkpointed() -> _Candidate:
         setting = _fewest_blocks(runner, low)
         name = f"{BF16} + {_checkpoint_name(runner, setting)}"
-        found.append(_Candidate(name, setting, "; ".join([*parts_bf16, _checkpoint_how(setting.blocks)])))
+        return _Candidate(name, setting, "; ".join([*parts_bf16, _checkpoint_how(setting.blocks)]))
+
+    def micro(blocks: tuple[str, ...]) -> _Candidate | None:
+        setting = _largest_micro(runner, _with(low, blocks=blocks))
+        if setting is None:
+            return None
+        parts = [*([BF16] if bf16 else []), *([_checkpoint_name(runner, setting)] if blocks else [])]
+        hows = [*parts_bf16, *([_checkpoint_how(blocks)] if blocks else []), _micro_how(runner, setting)]
+        return _Candidate(" + ".join([*parts, _micro_name(setting)]), setting, "; ".join(hows))
+
+    if bf16 and every:
+        found.append(_attempt(runner, notes, f"{BF16} + {CHECKPOINTING}", checkpointed))
     if bf16 and splittable:
-        setting = _largest_micro(runner, low)
-        if setting is not None:
-            found.append(
-                _Candidate(
-                    f"{BF16} + {_micro_name(setting)}", setting, "; ".join([*parts_bf16, _micro_how(runner, setting)])
-                )
-            )
+        found.append(_attempt(runner, notes, f"{BF16} + {MICRO_BATCH}", lambda: micro(())))
     if every and splittable:
-        setting = _largest_micro(runner, _with(low, blocks=every))
-        if setting is not None:
-            name = " + ".join([*([BF16] if bf16 else []), _checkpoint_name(runner, setting), _micro_name(setting)])
-            how = "; ".join([*parts_bf16, _checkpoint_how(every), _micro_how(runner, setting)])
-            found.append(_Candidate(name, setting, how))
-    if not found:
+        name = " + ".join([*([BF16] if bf16 else []), CHECKPOINTING, MICRO_BATCH])
+        found.append(_attempt(runner, notes, name, lambda: micro(every)))
+    if not (bf16 and every) and not (bf16 and splittable) and not (every and splittable):
         notes.append("combinations: no two candidates apply to this step")
-    return found
+    return [candidate for candidate in found if candidate is not None]
 
 
 def _with(setting: _Setting, **changes: Any) -> _Setting:
@@ -779,6 +1018,9 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         kwargs["devices"] = setting.ranks
     change = setting.optimizer if runner.configured else None
     apply = _module_change(setting.blocks, change, dry=False) if setting.blocks or change is not None else None
+    batch_note = runner.training_change(setting)
+    notes = [*(["it changes training: another optimizer trains differently"] if candidate.changes_training else [])]
+    notes += [batch_note] if batch_note else []
     return MeasuredFix(
         name=candidate.name,
         peak_bytes=peak,
@@ -787,6 +1029,7 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         trainer_kwargs=kwargs,
         batch_size=setting.micro,
         apply=apply,
-        how=candidate.how,
-        changes_training=candidate.changes_training,
+        how=f"{candidate.how}; {batch_note}" if batch_note else candidate.how,
+        changes_training=bool(notes),
+        training_note="; ".join(notes),
     )
