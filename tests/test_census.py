@@ -103,3 +103,16 @@ def test_a_graph_that_cannot_be_read_is_recorded_not_raised() -> None:
     z.backward()
     assert isinstance(tracker.error, RuntimeError) and str(tracker.error) == "no storage here"
     tracker.error = None  # its traceback's frames hold y (and the tracker): a cycle that would outlive the test
+
+
+def test_a_saved_wrapper_subclass_counts_as_the_tensors_it_wraps() -> None:
+    """An ``AsyncCollectiveTensor`` (tensor parallelism's lazy wait) holds no memory of its own, only what it wraps."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = nn.Linear(8, 8, bias=False)
+    x = TwoTensor(torch.randn(3, 8), torch.randn(3, 8))
+    tracker = ActivationTracker()
+    out = model(x)  # mm saves the input: the wrapper, which holds two 3 x 8 fp32 tensors
+    tracker.observe(out)
+    assert take_census(model, activations=tracker)["activations"] == 2 * 3 * 8 * 4
+    del out

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, local_tensor
+from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, inner_tensors, local_tensor
 from lightning_memtenants.core.record import GraphCounts
 from lightning_memtenants.core.storage import (
     PLAIN,
@@ -211,6 +211,11 @@ class ActivationTracker:
     def _record(self, tensor: Tensor, offloaded: set[int]) -> None:
         if type(tensor) not in PLAIN:
             tensor = local_tensor(tensor)
+            inner = list(inner_tensors(tensor))
+            if len(inner) != 1 or inner[0] is not tensor:  # a wrapper (AsyncCollectiveTensor) holds no memory itself
+                for each in inner:
+                    self._record(each, offloaded)
+                return
         elsewhere = self.device_type is not None and tensor.device.type != self.device_type
         for storage in storages_of(tensor):
             key = id(storage)
