@@ -279,7 +279,8 @@ def test_a_callable_batch_needs_make_batch_for_micro_batches() -> None:
         ({"precision": "fp8"}, "precision"),
         ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be a positive integer"),
         ({"fsdp_ranks": (1, 2)}, "fsdp_ranks must be a list of rank counts of 2 or more"),
-        ({"strategy": "fsdp", "world_size": 2}, "strategy and world_size: advise measures one device's step"),
+        ({"strategy": "fsdp", "world_size": 2}, "strategy, world_size and tensor_parallel: advise measures one"),
+        ({"tensor_parallel": 2}, "strategy, world_size and tensor_parallel: advise measures one"),
     ],
 )
 def test_bad_input_is_one_value_error_naming_the_argument(kwargs: dict[str, Any], message: str) -> None:

@@ -180,7 +180,7 @@ def test_a_model_that_shards_nothing_is_sharded_per_block_of_its_longest_module_
     model = Plain()
     assert blocks_of(model) == list(model.blocks)
     report = predict(model, (torch.Size([2, 8]),), loss_fn=lambda m, b: m(b[0]).sum(), strategy="fsdp", world_size=4)
-    assert "per block of its longest ModuleList (3 blocks) and the root" in " ".join(report.notes)
+    assert "per block of its repeated layers (3 blocks) and the root" in " ".join(report.notes)
     # each Linear(8, 8): 2 of its 8 rows (weight and bias) a rank; the root unit holds Linear(4, 4): 1 of 4 rows
     assert report.phases["batch_start"].tenants_bytes["weights"] == 4 * (3 * (2 * 8 + 2) + (1 * 4 + 1))
 
@@ -233,7 +233,7 @@ class _CallsSelf(_CallsModel):
         (_CallsModel, "the modules that training_step calls (`model`), each a root", 4 * 72),
         # and Linear(8, 4)'s 36 numbers, half a rank; `scale` (6 numbers) is outside every root: whole
         (_WithHead, "calls (`model`, `head`), each a root", 4 * 72 + 4 * 18 + 4 * 6),
-        (_CallsSelf, "per block of its longest ModuleList (2 blocks) and the root", 4 * 72),
+        (_CallsSelf, "per block of its repeated layers (2 blocks) and the root", 4 * 72),
     ],
 )
 def test_fsdp_roots_are_the_modules_the_step_calls(module: type, roots: str, weights: int) -> None:
@@ -269,7 +269,7 @@ def test_a_hugging_face_model_in_self_model_is_sharded_within_it() -> None:
     numbers = sum(p.numel() for p in model.parameters())  # the tied embedding once
     report = predict(model, {"input_ids": torch.randint(0, 128, (2, 16))}, strategy="fsdp", world_size=2)
     notes = " ".join(report.notes)
-    assert "per block of its longest ModuleList (2 blocks) and the modules that training_step calls (`model`)" in notes
+    assert "per block of its repeated layers (2 blocks) and the modules that training_step calls (`model`)" in notes
     assert numbers % 2 == 0 and report.phases["batch_start"].tenants_bytes["weights"] == 4 * numbers // 2
 
 

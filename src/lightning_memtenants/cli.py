@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("ddp", "fsdp"),
         default=None,
         help="predict every rank of a data-parallel run in this process, over a fake process group: 'ddp', or"
-        " 'fsdp' (FSDP2's fully_shard; the model's own configure_model, else per block of its longest ModuleList"
-        " and the root); the table is rank 0's (default: none, one device)",
+        " 'fsdp' (FSDP2's fully_shard; the model's own configure_model, else per block, its repeated layers, and"
+        " each module the step calls); the table is rank 0's (default: none, one device)",
     )
     run.add_argument(
         "--world-size",

@@ -208,8 +208,11 @@ def advise(
     ranks = tuple(fsdp_ranks) if isinstance(fsdp_ranks, (list, tuple)) else None
     if ranks is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in ranks):
         raise ValueError(f"fsdp_ranks must be a list of rank counts of 2 or more, got {brief(fsdp_ranks)}")
-    if options.get("strategy") is not None or options.get("world_size", 1) != 1:
-        raise ValueError("strategy and world_size: advise measures one device's step; give fsdp_ranks for FSDP")
+    spread = options.get("strategy") is not None or options.get("world_size", 1) != 1
+    if spread or options.get("tensor_parallel", 1) != 1:
+        raise ValueError(
+            "strategy, world_size and tensor_parallel: advise measures one device's step; give fsdp_ranks for FSDP"
+        )
     runner = _Runner(model, batch, make_batch, dict(options), limit, tuple(sorted(set(ranks))))
     baseline = runner.baseline()  # the user's own step: where it fails, advise fails with its error
     fixes, notes = _candidates(runner)
@@ -957,9 +960,10 @@ def _fsdp_candidate(runner: _Runner, base: _Setting, notes: list[str]) -> _Candi
             break
     n, micro = setting.ranks, setting.micro
     how = (
-        f"Trainer(strategy=ModelParallelStrategy(), devices={n}) with DataLoader(..., batch_size={micro}) per rank,"
-        " the model sharded by FSDP2's fully_shard in configure_model (per block and the root, as the dry run does"
-        " for a model that shards nothing itself)"
+        f"Trainer(strategy=ModelParallelStrategy(data_parallel_size={n}, tensor_parallel_size=1), devices={n})"
+        f" with DataLoader(..., batch_size={micro}) per rank, the model sharded by FSDP2's fully_shard in"
+        " configure_model (per block and each module the step calls, as the dry run does for a model that shards"
+        " nothing itself)"
     )
     return _Candidate(f"FSDP over {n} ranks", setting, how)
 

@@ -355,7 +355,7 @@ def shard(module: nn.Module, mesh: Any, *, lightning: bool, called: Sequence[str
             fully_shard(block, mesh=data_parallel)
     for name in sorted(names, key=lambda n: -n.count(".") - bool(n)):  # the innermost first, as FSDP2 requires
         fully_shard(module.get_submodule(name), mesh=data_parallel)
-    per_block = f"per block of its longest ModuleList ({len(blocks)} blocks) and " if blocks else ""
+    per_block = f"per block of its repeated layers ({len(blocks)} blocks) and " if blocks else ""
     if names == [""]:
         if blocks:
             return f"sharded with fully_shard {per_block}the root"

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightning_memtenants._private import TorchDispatchMode
 from lightning_memtenants.core.census import is_param_cast
 from lightning_memtenants.core.storage import batch_tensors, storage_key
+from lightning_memtenants.predict.cluster import blocks_of
 from lightning_memtenants.predict.fake import (
     PRECISIONS,
     check_precision,
@@ -174,7 +175,7 @@ def activation_check(
         batch: as for :func:`~lightning_memtenants.predict.dryrun.predict`: tensors, shapes or a callable.
         precision: a Lightning precision name (see :data:`~lightning_memtenants.predict.fake.PRECISIONS`).
         loss_fn: ``loss_fn(model, batch)`` to run instead of ``training_step`` or the forward.
-        layers: the layers to measure; by default the longest ``nn.ModuleList`` in the model (its blocks).
+        layers: the layers to measure; by default the model's blocks, its repeated layers (``cluster.named_blocks``).
         hidden: the hidden size; by default read from the usual attribute names (``n_embd``, ``hidden_size``...).
         heads: the number of heads; by default read from ``n_head``, ``num_heads``...
 
@@ -191,7 +192,7 @@ def activation_check(
     with fake_session() as mode:
         fake = fake_module(model, mode, param_dtype)
         fake.train()
-        blocks = layers if layers is not None else _longest_module_list(fake)
+        blocks = layers if layers is not None else blocks_of(fake)
         if layers is not None and isinstance(model, nn.Module):
             index = {id(m): i for i, m in enumerate(model.modules())}
             fake_modules = list(fake.modules())
@@ -359,11 +360,6 @@ def _terms(saved: list[list[_Saved]], check: ActivationCheck, ops: set[str]) -> 
         listed = "; ".join(f"{dtype} {list(shape)}" for shape, dtype in shapes[:4])
         terms.append(Term("other", 0, measured["other"], f"not of a formula term's shape: {listed}"))
     return terms
-
-
-def _longest_module_list(module: nn.Module) -> list[nn.Module]:
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
 
 
 def _find_attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:
