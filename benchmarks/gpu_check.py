@@ -20,7 +20,9 @@ device; it installs nothing and takes about two minutes on an H200 (under five).
    ``track_every_step=True``, CUDA-synchronized, in ms/step and as a ratio;
 7. Lightning's FSDPStrategy (fixed cost 16P/N + 24, N = 1) and 16-mixed with a real GradScaler (12 bytes);
 8. the attention kernel PyTorch picks on this device (``torch._fused_sdp_choice``) against the CUDA
-   target's ``sdpa_kernel``, over dtypes, head dimensions, masks, dropout and the causal flag.
+   target's ``sdpa_kernel``, over dtypes, head dimensions, masks, dropout and the causal flag;
+9. recurrent layers: what cuDNN's LSTM and GRU save for backward (its reserve space included, which the
+   CUDA target does not model yet) against the prediction's activations, per shape: the figures to model it by.
 
 Every section is guarded: one that fails prints its error and the others still run. The exit code is 0
 where every exact check held (the tests; the callback's window peaks, allocated and reserved bytes equal
@@ -774,6 +776,50 @@ def section_attention() -> bool | None:
     return None
 
 
+def section_recurrent() -> bool | None:
+    """cuDNN's recurrent layers: the bytes they save for backward (weights and input left out), the reserve space
+    apart, against the prediction's activations."""
+    from torch import nn
+
+    from lightning_memtenants import predict
+
+    print("\n== 9. recurrent layers: saved for backward on this device (cuDNN's reserve space apart) and predicted")
+    columns = ("seq x batch x width x layers", "reserve MiB", "saved MiB", "predicted MiB")
+    print(f"  {'layer':<5} {columns[0]:>28} {columns[1]:>12} {columns[2]:>10} {columns[3]:>14}")
+    where = "cpu" if SMOKE else "cuda"
+    for kind in (nn.LSTM, nn.GRU):
+        for seq, batch, width, layers in ((16, 4, 64, 2), (64, 8, 256, 2), (128, 16, 512, 1)):
+            if SMOKE and width > 64:
+                continue
+            layer = kind(width, width, layers).to(where)
+            x = torch.randn(seq, batch, width, device=where, requires_grad=True)
+            saved: list[Tensor] = []
+
+            def pack(tensor: Tensor, saved: list[Tensor] = saved) -> Tensor:
+                saved.append(tensor)
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out, _ = layer(x)
+            reserve = sum(t.untyped_storage().nbytes() for t in saved if t.dtype == torch.uint8)
+            held = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+            storages = {ptr: size for ptr, size in storages.items() if ptr not in held}  # no weight, no input
+            del out, saved
+            predicted = predict(
+                layer.cpu(),
+                (torch.Size([seq, batch, width]),),
+                loss_fn=lambda m, b: m(b[0])[0].sum(),
+                target="cpu" if SMOKE else target(),
+            )
+            shape = f"{seq} x {batch} x {width} x {layers}"
+            print(
+                f"  {kind.__name__:<5} {shape:>28} {reserve / MiB:>12.3f} {sum(storages.values()) / MiB:>10.3f}"
+                f" {predicted.phases['before_backward'].tenants_bytes['activations'] / MiB:>14.3f}"
+            )
+    return None
+
+
 def guarded(name: str, section: Callable[..., bool | None], *args: Any) -> bool:
     """Run a section; an error is printed and fails the check, and the next section still runs."""
     begin = time.perf_counter()
@@ -811,6 +857,7 @@ def main() -> int:
     results["overhead"] = guarded("overhead", section_overhead)
     results["strategies"] = guarded("strategies", section_strategies)
     results["attention"] = guarded("attention", section_attention)
+    results["recurrent"] = guarded("recurrent", section_recurrent)
     print(
         f"\n== summary ({time.perf_counter() - begin:.0f} s): "
         + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in results.items())
