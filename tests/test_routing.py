@@ -441,3 +441,13 @@ def test_hugging_face_mixtures_are_predicted_everywhere(
     report = predict(hf_moe(name, experts), batch, **options)
     assert report.peak_bytes and report.tenants_bytes["weights"] > 0
     assert any(note.startswith("mixture of experts") and "balanced routing" in note for note in report.notes)
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_a_router_that_converts_itself_as_a_real_run_does() -> None:
+    """SwitchTransformers' router converts itself to float32 inside its forward. In bf16-true, FSDP2's reduce-scatter
+    then refuses the gradients' mixed dtypes: a real 2-process gloo run of this model fails with this error, and the
+    prediction raises FSDP2's own error, not a figure for a run that cannot happen."""
+    batch = {key: torch.stack([s[key] for s in hf_batches()]) for key in ("input_ids", "labels")}
+    with pytest.raises(AssertionError, match="uniform gradient dtype"):
+        predict(hf_moe("switch"), batch, precision="bf16-true", loss_fn=hf_loss, strategy="fsdp", world_size=2)
