@@ -7,7 +7,6 @@ step ends. The callback wires it to Lightning; a hand-written loop calls it dire
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
@@ -36,21 +35,12 @@ from lightning_memtenants.analysis.formulas import (
     step_temporaries_bytes,
 )
 from lightning_memtenants.checks import brief
-from lightning_memtenants.core.carry import (
-    BatchKey,
-    CountedBatch,
-    CountedBatches,
-    CountedPhase,
-    Structure,
-    TreeWatch,
-    batch_key,
-    graph_delta,
-    structure,
-    tensor_sizes,
-)
+from lightning_memtenants.core.carry import CountedBatch, CountedPhase, TreeWatch
 from lightning_memtenants.core.census import ActivationTracker, TenantCounter
 from lightning_memtenants.core.guard import Guard
+from lightning_memtenants.core.micro import Diverged, MicroBatches, compared
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
+from lightning_memtenants.core.session import SourceSession
 from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource, source_for
 from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
 from lightning_memtenants.core.timeline import StepTimeline, TimelineRecorder, keep_timeline, tenant_keys
@@ -141,21 +131,14 @@ class TenantMonitor:
             source = MemorySource()
         elif not isinstance(source, MemorySource):
             raise ValueError(f"source must be 'auto', None or a MemorySource, got {brief(source)}")
-        self.source: MemorySource = source
         if host_state is not None and not callable(host_state):
             raise ValueError(f"host_state must be None or a callable of an optimizer, got {brief(host_state)}")
         self.host_state = host_state
         self.measure = True
         # count the tenants on every step, also where an earlier micro-batch with the same key could be carried
         self.count_every_step = False
-        self._counted = CountedBatches()
-        # per micro-batch of the step under way: its key, and the counted one it carries (None: counted now)
-        self._keys: list[BatchKey | None] = []
-        self._carried: list[CountedBatch | None] = []
-        self._deltas: list[GraphCounts] = []  # what each closed micro-batch's walks found
         # the last step made only of carried micro-batches: what they were, its notes, what it read, its report
         self._light: tuple[list[CountedBatch | None], list[str], tuple[Any, ...], StepReport] | None = None
-        self._counts_at_start = GraphCounts()
         # record the step's memory timeline (``timeline_of(report)``) on the steps the live-tensor tracker measures
         self.record_timeline = True
         # whether the timeline names the module of each allocation (hooks on the model's modules); without it the
@@ -170,6 +153,8 @@ class TenantMonitor:
         self._guard = Guard(warn, "measuring", self._released)
         if not track_activations:
             self._guard.disabled.add("activations")
+        # the source's on/off state over the steps: measuring, paused between micro-batches, stopped
+        self._session = SourceSession(source, self._guard)
         self._tracker = ActivationTracker(self.device.type)
         if isinstance(source, TrackerSource):  # the tenants and the totals agree on what is host memory
             self._tracker.host_memory = source.tracker.is_host
@@ -178,23 +163,9 @@ class TenantMonitor:
         # registrations of parameters, buffers and submodules anywhere: the cue to read the parameters again
         self._tree = TreeWatch()
         self._tree_seen = self._tree.version
-        self._sizes: list[int] = []
-        self._params: list[Tensor] = []  # the parameters among the tensors, and their bytes: what has gradients
-        self._param_sizes: list[int] = []
-        self._local = [local_optimizer(o) for o in self.optimizers]  # the optimizers that hold state
+        # the step's micro-batches: which are counted and which carry a counted one, kept by key for later steps
+        self._batches = MicroBatches(self._tracker, self.optimizers)
         self._read_sizes()
-        # per micro-batch under way: the indices of the optimizers that stepped in it, its phases in order (to keep
-        # with a counted one), and where a carried one is in its counted one's sequence
-        self._stepped: list[int] = []
-        self._sequences: list[list[CountedPhase]] = []
-        self._position = 0
-        # micro-batches of the step that carried until a phase: (micro-batch, step, phase, why, key banned)
-        self._partly: list[tuple[int, int, Phase, str, bool]] = []
-        # a carried step whose readings differed from its source step's: the next step is counted
-        self._count_next = False
-        self._count_this_step = False
-        # a costly source paused between the micro-batches of a measured step
-        self._paused_between = False
         self._parts: dict[Part, Callable[[], int]] = {}
         self._notes: list[str] = []
         # why the memory source does not measure this run, where it cannot (compiled code on CPU)
@@ -202,12 +173,10 @@ class TenantMonitor:
         if not self.source.sees_compiled_code and holds_compiled_code(module):
             self.unmeasured_reason = COMPILED_REASON
             warn(f"memtenants: {COMPILED_REASON}")
-        self._micro: list[dict[Phase, PhaseReport]] = []
         self._step_notes: list[str] = []
         self._state_bytes: int | None = None
         self._state_signature: tuple[int, ...] = ()
         self._fixed: tuple[tuple[int, ...], tuple[int, list[str]]] | None = None
-        self._measuring = False
         self._last: PhaseReport | None = None
 
     # -- what the caller may add or ask -------------------------------------------------------
@@ -249,14 +218,23 @@ class TenantMonitor:
         return part not in self._guard.disabled
 
     @property
+    def source(self) -> MemorySource:
+        """The memory source that reads the totals and the peaks (see the ``source`` argument)."""
+        return self._session.source
+
+    @source.setter
+    def source(self, source: MemorySource) -> None:
+        self._session.source = source
+
+    @property
     def measuring(self) -> bool:
         """Whether the memory source measures the step under way."""
-        return self._measuring
+        return self._session.measuring
 
     @property
     def pending_micro_batches(self) -> int:
         """Micro-batches begun since the last ``end_step``."""
-        return len(self._micro)
+        return len(self._batches)
 
     def last_phase(self) -> PhaseReport | None:
         """The most recent phase measured, in this step or the one before."""
@@ -273,9 +251,7 @@ class TenantMonitor:
 
     def read_source(self) -> Reading:
         """What the memory source sees now, where it measures this step (it opens a new window)."""
-        if not self._measuring:
-            return Reading()
-        return self._guard.run("memory source", self.source.read) or Reading()
+        return self._session.read()
 
     # -- the phases ----------------------------------------------------------------------------
 
@@ -297,11 +273,8 @@ class TenantMonitor:
         if not isinstance(name, str) or name not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {brief(name)}")
         report = self._phase(name, batch, output)
-        if name == "batch_end" and self._measuring and not self.source.every_step:
-            # what runs until the next micro-batch (the data loader's fetch: a TensorDataset's sample is a view of
-            # the whole data set; the collate; the prefetch of the batch after) is not the step's
-            self._guard.run("memory source", self.source.pause)
-            self._paused_between = True
+        if name == "batch_end":
+            self._session.pause_between()
         return report
 
     def optimizer_stepped(self, optimizer: Optimizer) -> None:
@@ -314,7 +287,7 @@ class TenantMonitor:
         Args:
             optimizer: the optimizer that stepped; one the monitor was not given counts as ``-1``.
         """
-        self._stepped.append(next((i for i, o in enumerate(self.optimizers) if o is optimizer), -1))
+        self._batches.optimizer_stepped(optimizer)
 
     def _phase(self, name: Phase, batch: Any, output: Any) -> PhaseReport | None:
         """``phase`` once its argument is checked."""
@@ -329,24 +302,25 @@ class TenantMonitor:
                 # the module's parameters are re-read on measured steps and where a parameter, buffer or module was
                 # registered; a walk of the module tree at every step would cost more than the rest of the census
                 guard.run("census", self._refresh)
-            if not self._micro:
+            if not self._batches:
                 self._begin_step(batch)
             tensors = batch_tensors(batch) if batch is not None else None  # read once: the key and the ignore
             self._begin_micro_batch(tensors)
             if tensors is not None:  # also on a carried step: a postmortem reads its graph (``observe_failure``)
                 guard.run("activations", self._tracker.ignore, tensors)
         else:
-            if not self._micro:
+            if not self._batches:
                 self._begin_micro_batch(None)
             if self._tree.version != self._tree_seen and self.measures("census"):
                 changed = bool(guard.run("census", self._refresh))  # a head added inside the step
-        if self._paused_between:
-            self._resume_source(batch if name == "batch_start" else None)
-        carried = self._carried[-1]
+        if self._session.paused_between:
+            # the source starts again for the step's next micro-batch, with its batch among the roots
+            self._session.resume(self._roots(batch if name == "batch_start" else None))
+        carried = self._batches.carried[-1]
         if carried is not None:
-            carrying = self._carry_or_diverge(name, carried, output, changed)
-            if carrying is not None:
-                return carrying
+            counted = self._batches.follow(name, changed)
+            if counted is not None:
+                return self._carry(name, carried.step, counted, output)
         if name == "before_backward" and self.measures("activations"):
             if output is None:
                 self._step_note(NO_OUTPUT)
@@ -377,12 +351,8 @@ class TenantMonitor:
             reading.reserved_bytes,
             parts_bytes=self._read_parts(),
         )
-        self._micro[-1][name] = report
+        self._batches.counted_phase(name, report, reading)
         self._last = report
-        if self._keys[-1] is not None:  # a micro-batch that may be kept: its phases in order, to carry
-            layout = structure(self._params, self._param_sizes, self._local, self._stepped, *_LOOKS.get(name, _NONE))
-            read = None if reading.allocated_bytes is None else _compared(name, reading)
-            self._sequences[-1].append(CountedPhase(name, layout, report.unmeasured(), read))
         return report
 
     def observe_output(self, output: Any) -> None:
@@ -405,9 +375,9 @@ class TenantMonitor:
         if tracker.compiled and not self.source.sees_compiled_code and self.unmeasured_reason is None:
             self.unmeasured_reason = COMPILED_REASON
             self._warn(f"memtenants: {COMPILED_REASON}")
-            self._stop_source()
-        if self._measuring:
-            self._guard.run("memory source", self.source.adopt, tracker.storages())
+            self._session.stop()
+        if self._session.measuring:
+            self._session.adopt(tracker.storages())
 
     def observe_failure(self, error: BaseException) -> None:
         """Read the graphs still held by the frames of ``error``'s traceback (an OOM inside the forward).
@@ -428,14 +398,12 @@ class TenantMonitor:
 
     def skip_step(self) -> None:
         """Drop a step that will never end (a batch Lightning skipped); its measurement stops here."""
-        self._micro, self._keys, self._carried, self._deltas = [], [], [], []
-        self._sequences, self._partly, self._stepped = [], [], []
+        self._batches.drop()
         self._step_notes = []
         self._tracker.clear()
         self._tracker.reset_counts()
         self._drop_recorder()
-        self._pause_source()
-        self._paused_between = False
+        self._session.pause()
 
     abandon_step = skip_step
 
@@ -454,17 +422,12 @@ class TenantMonitor:
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step must be None or a step number (an int, 0 or more), got {brief(step)}")
-        self._close_micro_batch()
-        read = self._measuring
-        micro, self._micro = self._micro, []
-        keys, carried, deltas = self._keys, self._carried, self._deltas
-        self._keys, self._carried, self._deltas = [], [], []
-        sequences, partly = self._sequences, self._partly
-        self._sequences, self._partly, self._stepped = [], [], []
-        self._count_this_step, self._count_next = self._count_next, False
+        ended = self._batches.end()
+        read = self._session.measuring
+        micro, carried = ended.phases, ended.carried
         self._tracker.clear()
         recorder = self._drop_recorder()
-        self._pause_source()
+        self._session.pause()
         number = self.steps_done if step is None else step
         self.steps_done += 1
         counts = self._graph_counts()
@@ -473,13 +436,14 @@ class TenantMonitor:
             walked = micro and all(c is None for c in carried) and all("before_backward" in mb for mb in micro)
             self._hooks_allowed = bool(walked) and NO_OUTPUT not in step_notes and self._no_compiled_code(counts)
         light = self.unmeasured_reason is None and bool(carried) and None not in carried
-        readings = _readings(micro) if light and read else ()
+        readings = ended.readings() if light and read else ()
         if light and self._light is not None:
             last_carried, last_notes, last_readings, last = self._light
             same = len(carried) == len(last_carried) and all(a is b for a, b in zip(carried, last_carried))  # noqa: B905
             if same and step_notes == last_notes and counts == last.graph and readings == last_readings:
                 return last.renumbered(number)  # the same counted micro-batches, read the same: the same report
-        notes = [*self._notes, *graph_notes(counts, self.device.type), *_carried_notes(carried, partly), *step_notes]
+        notes = [*self._notes, *graph_notes(counts, self.device.type), *_carried_notes(carried, ended.diverged)]
+        notes += step_notes
         phases: dict[Phase, PhaseReport] = {}
         for batch_phases in micro:
             phases.update(batch_phases)
@@ -488,13 +452,14 @@ class TenantMonitor:
         if self.unmeasured_reason is not None:  # readings taken before we knew cannot be trusted either
             micro = [{name: p.unmeasured() for name, p in mb.items()} for mb in micro]
             phases = {name: p.unmeasured() for name, p in phases.items()}
+            ended = ended._replace(phases=micro)
         high: dict[Tenant, int] = {t: max(p.tenants_bytes[t] for mb in micro for p in mb.values()) for t in TENANTS}
         measured = (phases.get("batch_end") or list(phases.values())[-1]).tenants_bytes
         expected, fixed_notes = None, []
         checked = self._guard.run("fixed cost", self._check_fixed, measured)
         if checked is not None:
             expected, fixed_notes = checked
-        peak, peak_phase = _step_peak(micro)
+        peak, peak_phase = ended.peak()
         memory_source = self.source.status if peak is not None else "not measured"
         timeline = None
         if recorder is not None and peak is not None:  # finished first: the explanation and the split read it
@@ -509,7 +474,6 @@ class TenantMonitor:
             explanation = "peak not measured: " + (self.unmeasured_reason or "no memory source measured this step")
         else:
             explanation = self._guard.run("peak explanation", self._explain_peak, phases, peak_phase, peak, timeline)
-        carried_steps = [c.step for c in carried if c is not None] + [p[1] for p in partly]
         report = StepReport(
             step=number,
             phases=phases,
@@ -524,11 +488,11 @@ class TenantMonitor:
             memory_source=memory_source,
             notes=notes,
             graph=counts,
-            tenants_from_step=max(carried_steps) if carried_steps else None,
+            tenants_from_step=ended.tenants_from_step,
             activations_by_module_bytes=by_module,
             activations_by_module_at=by_module_at if by_module else "",
         )
-        self._keep_counted(number, micro, keys, carried, deltas, sequences)
+        self._batches.keep(number, ended)
         self._light = (carried, step_notes, readings, report) if light else None
         if timeline is not None:
             keep_timeline(report, timeline)
@@ -537,29 +501,21 @@ class TenantMonitor:
     def close(self) -> None:
         """Remove every hook and mode this monitor registered; safe to call more than once."""
         self._tracker.clear()
-        self._micro, self._keys, self._carried, self._deltas = [], [], [], []
-        self._sequences, self._partly, self._stepped = [], [], []
-        self._count_next = self._count_this_step = self._paused_between = False
-        self._counted.clear()
+        self._batches.clear()
         self._tree.close()
         self._light = None
         self._step_notes = []
         self._tracker.reset_counts()
         self._state_bytes = None
-        self._measuring = False
         self._drop_recorder()
-        self._guard.run("memory source", self.source.stop)
+        self._session.close()
 
     # -- inside ----------------------------------------------------------------------------------
 
     def _begin_step(self, batch: Any) -> None:
-        self._paused_between = False
-        self._measuring = (
-            self.measures("memory source")
-            and self.unmeasured_reason is None
-            and (self.measure or self.source.every_step)
-        )
-        if self._measuring:
+        """Open a step: the memory source measures it where asked (and a costly one, with its timeline)."""
+        session = self._session
+        if session.begin(self.unmeasured_reason is None and (self.measure or self.source.every_step)):
             if self.record_timeline and isinstance(self.source, TrackerSource) and self.measures("timeline"):
                 # module paths from hooks on the modules: in a dry run, and on a training model that holds no
                 # torch.compile'd part, from its second measured step on, once a step's graph showed no compiled
@@ -570,73 +526,16 @@ class TenantMonitor:
                 named = self.module if self.source.tracker.count_fake or hookable else None
                 self._recorder = TimelineRecorder(named)
                 self._recorder.attach(self.source.tracker)
-            self._guard.run("memory source", self.source.start, self._roots(batch))
-            self._measuring = self.measures("memory source")
-            if not self._measuring:
+            if not session.start(self._roots(batch)):
                 self._drop_recorder()
 
     def _begin_micro_batch(self, batch: list[Tensor] | None) -> None:
         """Open a micro-batch: its key, and the counted micro-batch it carries where the step is not measured."""
-        self._close_micro_batch()
-        self._micro.append({})
-        self._sequences.append([])
-        self._stepped, self._position = [], 0
-        key = self._guard.run(
-            "census",
-            batch_key,
-            len(self._micro) - 1,
-            batch,
-            self.module,
-            self.optimizers,
-            self._counter.tensors,
-            self._sizes,
-        )
-        carried = None
-        counts = self.measure or self.count_every_step or self._count_this_step
-        if key is not None and not counts and self.measures("census"):
-            carried = self._counted.get(key)
-        self._keys.append(key)
-        self._carried.append(carried)
-        if carried is None:
-            self._counts_at_start = self._tracker.counts()
-
-    def _close_micro_batch(self) -> None:
-        """Keep what the walks of the micro-batch ending now found, to carry with its tenants."""
-        if len(self._deltas) < len(self._micro):
-            carried = self._carried[-1]
-            if carried is not None:  # what its counted one's walks found stands for its own
-                self._tracker.add_counts(carried.counts)
-            delta = graph_delta(self._counts_at_start, self._tracker.counts()) if carried is None else _NONE_FOUND
-            self._deltas.append(delta)
-
-    def _carry_or_diverge(self, name: Phase, carried: CountedBatch, output: Any, changed: bool) -> PhaseReport | None:
-        """A phase of a carried micro-batch: carried where its structure is the counted one's at the same place in
-        the sequence of phases; else None, and the micro-batch is counted from this phase on."""
-        position = self._position
-        sequence = carried.sequence
-        counted = sequence[position] if position < len(sequence) else None
-        why = None
-        if counted is None or counted.name != name:
-            why = "the sequence of phases (another backward or optimizer step)"
-        elif changed:
-            why = "the module's parameters (one was added or replaced)"
-        elif name != "batch_start":  # at batch_start the key holds the structure
-            now = structure(self._params, self._param_sizes, self._local, self._stepped, *_LOOKS.get(name, _NONE))
-            if now != counted.structure:
-                why = _what_differs(now, counted.structure)
-        if why is None:
-            self._position = position + 1
-            return self._carry(name, carried.step, counted, output)
-        # count from here; the phases before were carried, and a key whose carry diverged is never carried again
-        # (a parameter added is not the key's fault: the keys after it differ)
-        key = self._keys[-1]
-        if key is not None and not changed:
-            self._counted.ban(key)
-        if any(p.name == "before_backward" for p in sequence[:position]):  # its activations were carried
-            self._tracker.add_counts(carried.counts)
-        self._partly.append((len(self._micro) - 1, carried.step, name, why, not changed))
-        self._carried[-1] = self._keys[-1] = None
-        return None
+        batches = self._batches
+        batches.open()
+        key = self._guard.run("census", batches.key, batch, self.module, self._counter.tensors)
+        counts = self.measure or self.count_every_step or batches.count_this_step
+        batches.assign(key, carry=not counts and self.measures("census"))
 
     def _carry(self, name: Phase, step: int, counted: CountedPhase, output: Any) -> PhaseReport:
         """A phase of a carried micro-batch: the counted tenants and parts, with what the source reads now.
@@ -647,7 +546,7 @@ class TenantMonitor:
         if name == "before_backward" and output is None and self.measures("activations"):
             self._step_note(NO_OUTPUT)
         report = counted.report  # kept without readings: where the source does not measure this step, it is the phase
-        if self._measuring:
+        if self._session.measuring:
             reading = self.read_source()
             report = PhaseReport(
                 name,
@@ -657,11 +556,11 @@ class TenantMonitor:
                 reading.reserved_bytes,
                 report.parts_bytes,
             )
-            now = _compared(name, reading)
-            if counted.reading is not None and now != counted.reading and not self._count_next:
-                self._count_next = True
+            now = compared(name, reading)
+            if counted.reading is not None and now != counted.reading and not self._batches.count_next:
+                self._batches.count_next = True
                 self._step_note(readings_note(step, name, now, counted.reading))
-        self._micro[-1][name] = report
+        self._batches.carried_phase(name, report)
         self._last = report
         return report
 
@@ -677,33 +576,7 @@ class TenantMonitor:
 
     def _read_sizes(self) -> None:
         """The tensors' bytes, and the parameters among them (they come first), for the key and the structure."""
-        tensors = self._counter.tensors
-        self._sizes = tensor_sizes(tensors)
-        count = sum(1 for _ in self.module.parameters())
-        self._params, self._param_sizes = tensors[:count], self._sizes[:count]
-
-    def _resume_source(self, batch: Any) -> None:
-        """Start the paused source again for the step's next micro-batch, with its batch among the roots."""
-        self._paused_between = False
-        if self._measuring:
-            self._guard.run("memory source", self.source.start, self._roots(batch))
-            self._measuring = self.measures("memory source")
-
-    def _keep_counted(
-        self,
-        step: int,
-        micro: list[dict[Phase, PhaseReport]],
-        keys: list[BatchKey | None],
-        carried: list[CountedBatch | None],
-        deltas: list[GraphCounts],
-        sequences: list[list[CountedPhase]],
-    ) -> None:
-        """Keep the micro-batches counted in this step, by key, for later steps to carry."""
-        for phases, key, was_carried, counts, sequence in zip(micro, keys, carried, deltas, sequences, strict=True):
-            if key is None or was_carried is not None or not phases:
-                continue
-            kept = CountedBatch(step, {n: p.unmeasured() for n, p in phases.items()}, counts, tuple(sequence))
-            self._counted.keep(key, kept)
+        self._batches.read_sizes(self._counter.tensors, sum(1 for _ in self.module.parameters()))
 
     def _drop_recorder(self) -> TimelineRecorder | None:
         """Stop the step's timeline recorder (its hooks go); the recorder, to finish, or None."""
@@ -730,23 +603,12 @@ class TenantMonitor:
         )
         self._recorder.mark(name, keys)
 
-    def _pause_source(self) -> None:
-        if self._measuring and not self.source.every_step:
-            self._guard.run("memory source", self.source.pause)
-        self._measuring = False
-
-    def _stop_source(self) -> None:
-        """Stop the memory source for good, without calling it a failure (``unmeasured_reason`` says why)."""
-        self._measuring = False
-        with contextlib.suppress(Exception):
-            self.source.stop()
-
     def _released(self, part: str) -> None:
         """What a disabled part held goes (the guard calls this)."""
         if part == "activations":
             self._tracker.clear()
         if part == "memory source":
-            self._stop_source()
+            self._session.stop()
         if part == "timeline":
             self._drop_recorder()
 
@@ -829,9 +691,6 @@ class TenantMonitor:
         return text
 
 
-_NONE_FOUND = GraphCounts()
-
-
 def holds_compiled_code(module: nn.Module) -> bool:
     """Whether ``module`` holds ``torch.compile``'d parts: an ``OptimizedModule``, ``Module.compile()``,
     or Lightning's record of a compiled LightningModule (``_compiler_ctx``).
@@ -858,33 +717,7 @@ def describe_optimizers(optimizers: Sequence[Optimizer]) -> str:
     return ", ".join(names) or "no optimizer"
 
 
-# What a carried micro-batch compares with its counted one at each phase beside the phase itself and the optimizers
-# that stepped so far: (the gradients, the optimizers' state entries and groups). The gradients at after_backward, where
-# the backward decided which parameters have one (a block skipped at random has none); the optimizers at batch_end,
-# after their steps. The key compares all of them at batch_start. Each look costs a pass over the parameters or the
-# optimizers, a few microseconds in a training loop: the other phases skip them.
-_LOOKS: dict[str, tuple[bool, bool]] = {"after_backward": (True, False), "batch_end": (False, True)}
-_NONE = (False, False)
-_DIFFERS = (
-    "the parameters with a gradient",
-    "the optimizer state",
-    "the parameter groups",
-    "the optimizers that stepped",
-)
-
-
-def _what_differs(now: Structure, then: Structure) -> str:
-    """What differs between two structures, in words: the first part that does."""
-    return next((what for what, a, b in zip(_DIFFERS, now, then, strict=True) if a != b), "the structure")
-
-
-def _compared(name: Phase, reading: Reading) -> tuple[int | None, int | None]:
-    """What a carried phase's reading is compared on: allocated bytes and the window's peak (at ``batch_start`` the
-    window spans the time between steps, which is not the step's, so only the allocated bytes)."""
-    return reading.allocated_bytes, None if name == "batch_start" else reading.window_peak_bytes
-
-
-def _carried_notes(carried: list[CountedBatch | None], partly: list[tuple[int, int, Phase, str, bool]]) -> list[str]:
+def _carried_notes(carried: list[CountedBatch | None], partly: list[Diverged]) -> list[str]:
     """The notes of a step whose micro-batches carried tenants: one per step carried from, one per divergence."""
     of = len(carried)
     by_step: dict[int, list[int]] = {}
@@ -894,21 +727,3 @@ def _carried_notes(carried: list[CountedBatch | None], partly: list[tuple[int, i
     notes = [carried_note(step, indices, of) for step, indices in by_step.items()]
     notes += [diverged_note(step, name, why, index, of, banned=banned) for index, step, name, why, banned in partly]
     return notes
-
-
-def _readings(micro: list[dict[Phase, PhaseReport]]) -> tuple[Any, ...]:
-    """What the memory source read at each phase of a step, to tell a step that read the same as the last."""
-    return tuple(
-        (name, p.allocated_bytes, p.window_peak_bytes, p.reserved_bytes) for mb in micro for name, p in mb.items()
-    )
-
-
-def _step_peak(micro: list[dict[Phase, PhaseReport]]) -> tuple[int | None, Phase | None]:
-    """The highest point of the step; the window before ``batch_start`` counts only at its end."""
-    best: tuple[int | None, Phase | None] = (None, None)
-    for batch_phases in micro:
-        for name, phase in batch_phases.items():
-            value = phase.allocated_bytes if name == "batch_start" else phase.window_peak_bytes
-            if value is not None and (best[0] is None or value > best[0]):
-                best = (value, name)
-    return best
