@@ -4,6 +4,11 @@ Lightning's launcher starts the other ranks by running this script again. Each r
 three times, under DDPStrategy (with Adam, then ZeroRedundancyOptimizer) and under ModelParallelStrategy
 (FSDP2), every step tracked, and writes every step's report to ``OUT/<ddp|zero|fsdp>_rank<r>.json``. On 2
 ranks it also fits :class:`WrappedSharded` (its step calls ``self.model(x)``), FSDP2: ``OUT/model_rank<r>.json``.
+
+``python cluster_script.py zoo OUT NAME...`` runs zoo configurations (``tests/zoo_models.py``) on 2 gloo
+processes without Lightning: each block and then ``self.model`` sharded with ``fully_shard``, 2 steps of a
+hand-written loop in Lightning's order, a ``TenantMonitor`` on the LightningModule; every step's report goes to
+``OUT/zoo_<model>_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -131,7 +136,68 @@ def fit(
     return reports
 
 
+def zoo_rank(rank: int, port: int, out: Path, names: list[str]) -> None:
+    """One rank of the Lightning-less FSDP2 runs of ``names``: the reports of 2 steps of each, at fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from zoo_models import build
+
+    from lightning_memtenants import TenantMonitor
+    from lightning_memtenants.predict.cluster import named_blocks
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    for name in names:
+        module = build(name)
+        for _, block in named_blocks(module.model):  # as the prediction's default: each block, then the root
+            fully_shard(block, mesh=mesh)
+        fully_shard(module.model, mesh=mesh)
+        optimizer = module.configure_optimizers()
+        batch = module.example_batch(2)
+        monitor = TenantMonitor(module, [optimizer])
+
+        def before_step(*_: Any, monitor: TenantMonitor = monitor) -> None:
+            monitor.phase("before_optimizer_step")
+
+        optimizer.register_step_pre_hook(before_step)
+        reports = []
+        for index in range(2):  # Lightning's closure: zero_grad after the forward, step after the backward
+            monitor.phase("batch_start", batch=batch)
+            loss = module.training_step(batch, index)
+            optimizer.zero_grad(set_to_none=True)
+            monitor.phase("before_backward", output=loss)
+            loss.backward()
+            monitor.phase("after_backward")
+            optimizer.step()
+            del loss
+            monitor.phase("batch_end")
+            reports.append(monitor.end_step().to_dict())
+        monitor.close()
+        (out / f"zoo_{name.split('/')[0]}_rank{rank}.json").write_text(json.dumps(reports))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def zoo_main(out: Path, names: list[str]) -> None:
+    """Start the 2 ranks of :func:`zoo_rank` on a free port."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(zoo_rank, args=(port, out, names), nprocs=2)
+
+
 def main() -> None:
+    if sys.argv[1] == "zoo":
+        zoo_main(Path(sys.argv[2]), sys.argv[3:])
+        return
     n, out = int(sys.argv[1]), Path(sys.argv[2])
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

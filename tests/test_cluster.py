@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from cluster_script import Blocks, Wrapped
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_memtenants import dry_run, predict
 from lightning_memtenants.predict.cluster import blocks_of, parallel_of, rank_classes
@@ -337,3 +337,199 @@ def test_a_failing_step_leaves_no_fake_group_behind() -> None:
     with pytest.raises(RuntimeError, match="the user's own error"):
         predict(Failing(fsdp=True), BATCH, strategy="fsdp", world_size=2)
     assert not dist.is_initialized()
+
+
+ZOO_MODELS = ("llama/32-true", "bert/32-true")  # a decoder whose forward slices its ModuleList, an encoder
+STATE = ("weights", "gradients", "optimizer_state")
+
+
+@pytest.fixture(scope="module")
+def zoo_real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[dict[str, Any]]]]:
+    """Both zoo models in one launch of 2 gloo processes without Lightning: each rank's reports of 2 steps."""
+    out = tmp_path_factory.mktemp("zoo_fsdp")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "zoo", str(out), *ZOO_MODELS],
+        cwd=out,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    models = [name.split("/")[0] for name in ZOO_MODELS]
+    return {m: [json.loads((out / f"zoo_{m}_rank{r}.json").read_text()) for r in range(2)] for m in models}
+
+
+def _zoo_expected(module: nn.Module, rank: int) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW's state) of ``rank`` of 2 at fp32, from the parameters' shapes alone.
+
+    FSDP2 pads each shard to ceil(rows / 2) rows on every rank (the weights' and gradients' storages); AdamW's
+    moments are made like the unpadded shard (``torch.chunk``'s rows, the last rank fewer), its step 4 bytes each.
+    """
+    padded = unpadded = 0
+    for p in module.parameters():
+        rows, rest = (p.shape[0], p[0].numel()) if p.dim() else (1, 1)
+        chunk = -(-rows // 2)
+        padded += 4 * chunk * rest
+        unpadded += 4 * max(0, min(chunk, rows - rank * chunk)) * rest
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())  # whole on every rank
+    return padded + buffers, padded, 2 * unpadded + 4 * len(list(module.parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZOO_MODELS)
+def test_zoo_models_under_fsdp2_are_predicted_to_the_byte(
+    zoo_real: dict[str, list[list[dict[str, Any]]]], name: str
+) -> None:
+    """Each block and then ``self.model`` sharded (the prediction's default), 2 steps: every rank's weights,
+    gradients and optimizer state at every phase equal the real run's. The root stays gathered from its forward to
+    its backward: the weights are still its shards, as after the backward (issue #29: rank 0 held 65% there)."""
+    from zoo_models import build
+
+    module = build(name)
+    prediction = dry_run(module, module.example_batch(2), precision="32-true", strategy="fsdp", world_size=2, steps=2)
+    real = zoo_real[name.split("/")[0]]
+    pairs = [(0, ours, theirs) for ours, theirs in zip(prediction.reports, real[0], strict=True)]
+    pairs.append((1, prediction.ranks[1], real[1][-1]))
+    for rank, ours, theirs in pairs:
+        mine = {ph: {t: v.tenants_bytes[t] for t in STATE} for ph, v in ours.phases.items()}
+        measured = {ph: {t: v["tenants_bytes"][t] for t in STATE} for ph, v in theirs["phases"].items()}
+        assert mine == measured, (name, rank, theirs["step"])
+    for rank in range(2):
+        weights, gradients, state = _zoo_expected(module, rank)
+        steady = real[rank][-1]["phases"]
+        assert {v["tenants_bytes"]["weights"] for v in steady.values()} == {weights}
+        assert steady["before_backward"]["tenants_bytes"]["gradients"] == 0  # zeroed after the forward
+        assert steady["after_backward"]["tenants_bytes"]["gradients"] == gradients
+        assert steady["batch_end"]["tenants_bytes"]["optimizer_state"] == state
+
+
+class _Causal(L.LightningModule):
+    """A step that builds a causal mask and hands it to ``self.model``: ``nn.TransformerEncoder`` checks the mask's
+    values (``_detect_is_causal_mask``), which the dry run knows, also in the run that finds FSDP2's roots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        mask = nn.Transformer.generate_square_subsequent_mask(batch[0].size(1))
+        return self.model(batch[0], mask=mask).pow(2).mean()  # is_causal read from the mask
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_a_step_whose_values_branch_finds_its_fsdp_roots() -> None:
+    prediction = predict(_Causal(), (torch.Size([2, 4, 16]),), strategy="fsdp", world_size=2)
+    assert "the modules that training_step calls (`model`)" in " ".join(prediction.notes)
+    # every first dimension is even: each rank holds half of the fp32 parameters, at every phase
+    half = 4 * sum(p.numel() for p in _Causal().parameters()) // 2
+    assert {phase.tenants_bytes["weights"] for phase in prediction.phases.values()} == {half}
+
+
+class _Recurrent(L.LightningModule):
+    """Lightning's LSTM demo in small: the hidden state is made from a parameter in ``training_step``, outside the
+    sharded ``self.model``'s forward, so under FSDP2 it is a DTensor (a real gloo run fails in the LSTM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.LSTM(8, 8, batch_first=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        weight = next(self.model.parameters())
+        hidden = (weight.new_zeros(1, 2, 8), weight.new_zeros(1, 2, 8))
+        return self.model(batch[0], hidden)[0].pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_a_step_that_fsdp2_refuses_is_refused_in_one_sentence() -> None:
+    with pytest.raises(ValueError, match=r"^strategy='fsdp': the training step gives aten\.\S+ a DTensor and a plain"):
+        predict(_Recurrent(), (torch.Size([2, 3, 8]),), strategy="fsdp", world_size=2)
+    assert predict(_Recurrent(), (torch.Size([2, 3, 8]),)).tenants_bytes["weights"] == 4 * (2 * 4 * 8 * 8 + 2 * 32)
+
+
+class _SlicedInner(nn.Module):
+    """Llama's shape in small: an embedding and a head in the root, blocks it slices in its forward (slicing a
+    ``ModuleList`` registers the blocks in a new one, so the census reads the parameters again mid-step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks[:2]:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+class _Sliced(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _SlicedInner()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters())
+
+
+def test_a_root_gathered_from_forward_to_backward_still_holds_its_shards() -> None:
+    """FSDP2 keeps the root (embed, head) gathered from its forward to its backward and swaps its shards back
+    without registering them: the weights are the shards at every phase, the gathered storages no activation."""
+    batch = (torch.zeros(2, 4, dtype=torch.long),)
+    sharded = dry_run(_Sliced(), batch, strategy="fsdp", world_size=2, steps=2)
+    whole = dry_run(_Sliced(), batch, steps=2)
+    half = 4 * (16 * 8 + 2 * (8 * 8 + 8) + 16 * 8 + 16) // 2  # every first dimension is even
+    for report in (*sharded.reports, sharded.ranks[1]):
+        assert {phase.tenants_bytes["weights"] for phase in report.phases.values()} == {half}
+        assert report.phases["batch_end"].tenants_bytes["gradients"] == half
+        activations = report.phases["before_backward"].tenants_bytes["activations"]
+        assert activations == whole.reports[-1].phases["before_backward"].tenants_bytes["activations"]
+
+
+def test_autocast_s_cast_of_a_gathered_root_weight_is_the_autocast_cache_not_an_activation() -> None:
+    """Under bf16-mixed FSDP2, autocast casts the root's gathered parameters (the head here) as on one device: the
+    casts are ``autocast_cache`` and the activations equal the one-device prediction's, from the first step on."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+            self.head = nn.Linear(32, 64)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h)
+
+    class Wrapper(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Model()
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            return self.model(batch).float().sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters())
+
+    x = torch.randint(0, 64, (4, 8))
+    one = predict(Wrapper(), x, precision="bf16-mixed")
+    casts = 2 * 32 * 32 * 2 + 32 * 64 * 2  # the bf16 copies of the blocks' and the head's weights that matmuls save
+    assert one.phases["before_backward"].parts_bytes["autocast_cache"] == casts
+    for report in dry_run(Wrapper(), x, precision="bf16-mixed", strategy="fsdp", world_size=2, steps=2).reports:
+        phase = report.phases["before_backward"]
+        assert phase.parts_bytes.get("autocast_cache") == casts
+        assert phase.tenants_bytes["activations"] == one.phases["before_backward"].tenants_bytes["activations"]

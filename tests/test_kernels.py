@@ -2,11 +2,16 @@
 
 - **LSTM.** The CPU's LSTM runs oneDNN's ``mkldnn_rnn_layer`` where oneDNN is on (the default), and keeps a
   workspace for backward whose size torch's meta kernel leaves at 0. The prediction equals a real CPU fit to
-  the byte, oneDNN on and off, for Lightning's demo LSTM and 2-layer ``nn.LSTM`` and ``nn.GRU`` modules;
-  the workspace's size is worked out here from oneDNN's layout and checked against the real operator.
+  the byte, oneDNN on and off, for Lightning's demo LSTM and 2-layer ``nn.LSTM`` and ``nn.GRU`` modules, with an
+  initial state given and without one (then ``nn.LSTM`` makes it with ``torch.zeros``, a constant the dry run
+  computes for real, and autograd saves it); the workspace's size is worked out here from oneDNN's layout and
+  checked against the real operator.
 - **CTC loss.** Its ``log_alpha`` is sized by the longest target, a value; the batch's integer lengths are
   known to a dry run. ``F.ctc_loss``, ``nn.CTCLoss`` and Hugging Face's ``Wav2Vec2ForCTC`` equal a real CPU
-  fit to the byte; on a GPU target the CUDA kernel's scratch is counted too.
+  fit to the byte, ``Wav2Vec2ForCTC`` with an attention mask and without one (its lengths then come from
+  ``torch.ones_like`` of the audio); on a GPU target the CUDA kernel's scratch is counted too.
+- **``self.log``.** A Trainer keeps what a step logs (the demo LSTM's loss; a module that logs on step and on epoch,
+  with ``log_dict`` too) from batch to batch: two steps equal a real fit's to the byte.
 - **Max pooling** on a GPU target (it recursed for ever): Lightning's MNIST demo net and a BatchNorm CNN
   predict for an A100 and an H100, the int64 indices counted.
 
@@ -32,7 +37,7 @@ from lightning.pytorch.demos.boring_classes import Net
 from lightning.pytorch.demos.lstm import LightningLSTM
 from torch import Tensor, nn
 
-from lightning_memtenants import PHASES, predict
+from lightning_memtenants import PHASES, dry_run, predict
 from lightning_memtenants.predict.kernels import onednn_lstm_workspace
 from lightning_memtenants.predict.values import PredictionError
 
@@ -45,27 +50,25 @@ INPUT_LENGTHS = (20, 18, 15)
 
 
 class DemoLSTM(LightningLSTM):
-    """Lightning's demo LSTM (4 layers of 512), less its download and its ``self.log`` (whose metric tensors a
-    Trainer keeps, and a dry run, run without one, does not): the batch is built here."""
+    """Lightning's demo LSTM (4 layers of 512), less its download: the batch is built here. Its step logs the loss
+    with ``self.log(..., prog_bar=True)``."""
 
     def prepare_data(self) -> None:
-        pass
-
-    def log(self, *args: Any, **kwargs: Any) -> None:
         pass
 
 
 class Recurrent(L.LightningModule):
     """Embedding, a 2-layer ``nn.LSTM`` or ``nn.GRU`` of width 64, a linear head; SGD.
 
-    The initial state is made from the embedding (``new_zeros``), as the demo makes it: ``nn.LSTM``'s own
-    ``torch.zeros`` is a constant that a dry run computes for real, and its census then misses it (see the
-    report of issue #29).
+    The initial state is made from the embedding (``new_zeros``), as the demo makes it, or, with ``default``, left
+    to ``nn.LSTM`` and ``nn.GRU``, which make it with ``torch.zeros``: a constant that a dry run computes for real,
+    and that autograd saves (each layer's slice of it), so an activation.
     """
 
-    def __init__(self, kind: str = "lstm") -> None:
+    def __init__(self, kind: str = "lstm", default: bool = False) -> None:
         super().__init__()
         self.kind = kind
+        self.default = default
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(WIDTH, WIDTH, 2, batch_first=True)
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -73,8 +76,11 @@ class Recurrent(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         tokens, targets = batch
         x = self.embed(tokens)
-        h0 = x.new_zeros(2, x.size(0), WIDTH)
-        out, _ = self.rnn(x, (h0, h0.clone()) if self.kind == "lstm" else h0)
+        if self.default:
+            out, _ = self.rnn(x)
+        else:
+            h0 = x.new_zeros(2, x.size(0), WIDTH)
+            out, _ = self.rnn(x, (h0, h0.clone()) if self.kind == "lstm" else h0)
         return F.cross_entropy(self.head(out).flatten(0, 1), targets.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -97,6 +103,27 @@ class CTC(L.LightningModule):
             return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
         flat = torch.cat([row[:n] for row, n in zip(targets, target_lengths.tolist(), strict=True)])
         return self.loss(log_probs, flat, input_lengths, target_lengths)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Logged(L.LightningModule):
+    """A linear model whose step logs what users log: the loss on step and on epoch (a mean over the epoch, in
+    bfloat16, which Lightning keeps as float32), a sum on epoch alone, a Python number, and a ``log_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, _ = batch
+        loss = self.linear(features).pow(2).mean()
+        self.log("loss", loss.to(torch.bfloat16), on_step=True, on_epoch=True, prog_bar=True)
+        self.log("total", loss.detach() * 2, on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("rate", 0.5)
+        self.log_dict({"a": loss.detach().abs(), "b": loss.detach() + 1}, on_step=True, on_epoch=False)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -142,12 +169,14 @@ def build(name: str) -> L.LightningModule:
     torch.manual_seed(0)
     if name == "demo":
         return DemoLSTM(vocab_size=VOCAB)
-    if name in ("lstm", "gru"):
-        return Recurrent(name)
+    if name in ("lstm", "gru", "lstm_default", "gru_default"):
+        return Recurrent(name.removesuffix("_default"), default=name.endswith("_default"))
     if name in ("ctc", "ctcloss"):
         return CTC(module=name == "ctcloss")
-    if name == "wav2vec2":
+    if name in ("wav2vec2", "wav2vec2_unmasked"):
         return wav2vec2()
+    if name == "logged":
+        return Logged()
     raise ValueError(f"no model named {name!r}")
 
 
@@ -158,19 +187,24 @@ def batch(name: str) -> Any:
         features = torch.randn(N, T, 16, generator=generator)
         targets = torch.randint(1, C, (N, S), generator=generator)
         return features, targets, torch.tensor(INPUT_LENGTHS), torch.tensor(TARGET_LENGTHS)
-    if name == "wav2vec2":
+    if name in ("wav2vec2", "wav2vec2_unmasked"):
         values = torch.randn(2, 400, generator=generator)
         labels = torch.randint(1, 16, (2, 6), generator=generator)
         labels[1, 4:] = -100  # a shorter transcript, padded
+        if name == "wav2vec2_unmasked":  # the input lengths come from ones_like(input_values)
+            return {"input_values": values, "labels": labels}
         mask = torch.ones(2, 400, dtype=torch.long)
         mask[1, 300:] = 0  # shorter audio, padded: the CTC input lengths come from the mask
         return {"input_values": values, "attention_mask": mask, "labels": labels}
+    if name == "logged":
+        return torch.randn(BATCH, WIDTH, generator=generator), torch.zeros(BATCH)
     tokens = torch.randint(0, VOCAB, (BATCH, STEPS + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as a DataLoader collates WikiText2's pairs
 
 
 def real_run(spec: str) -> dict:
-    """One real one-step Trainer fit on the CPU with the callback (``name`` or ``name@off``: oneDNN off)."""
+    """A real Trainer fit on the CPU with the callback (``name`` or ``name@off``: oneDNN off), of ``steps(name)``
+    steps on the same batch: every step's report."""
     from conftest import make_trainer
     from torch.utils.data import DataLoader
 
@@ -180,16 +214,25 @@ def real_run(spec: str) -> dict:
     L.seed_everything(0, verbose=False)
     module = build(name)
     data = batch(name)
-    loader = DataLoader([data], batch_size=None)  # the batch as it is, already collated
+    loader = DataLoader([data] * steps(name), batch_size=None)  # the batch as it is, already collated
     callback = MemoryTenantsCallback(memory_source="tracker", track_every_step=True, print_summary=False)
     with onednn(option):
-        make_trainer([callback], steps=1, logger=False, precision=precision(option)).fit(module, loader)
-    assert callback.latest is not None
-    return {"spec": spec, "report": dataclasses.asdict(callback.latest)}
+        make_trainer([callback], steps=steps(name), logger=False, precision=precision(option)).fit(module, loader)
+    assert callback.first is not None and callback.latest is not None
+    reports = [callback.first, callback.latest][-steps(name) :]
+    return {"spec": spec, "reports": [dataclasses.asdict(report) for report in reports]}
+
+
+def steps(name: str) -> int:
+    """Two steps where what a step keeps for the next matters (what ``self.log`` keeps), else one."""
+    return 2 if name in ("demo", "logged") else 1
 
 
 # ``@off``: oneDNN off; ``@bf16-mixed``: that precision (oneDNN's LSTM then runs in bfloat16, as CPU autocast casts it)
-SPECS = ["demo", "demo@off", "lstm", "lstm@off", "lstm@bf16-mixed", "gru", "ctc", "ctcloss", "wav2vec2"]
+SPECS = [
+    "demo", "demo@off", "lstm", "lstm@off", "lstm@bf16-mixed", "gru", "lstm_default", "lstm_default@off",
+    "gru_default", "ctc", "ctcloss", "wav2vec2", "wav2vec2_unmasked", "logged",
+]  # fmt: skip
 
 
 @cache
@@ -205,9 +248,9 @@ def real_runs() -> dict[str, dict]:
     return {run["spec"]: run for run in runs}
 
 
-def differences(predicted: Any, real: dict) -> list[str]:
-    """Every field where the prediction differs from the real run, with the bytes by which it does."""
-    report, found = real["report"], []
+def differences(predicted: Any, report: dict) -> list[str]:
+    """Every field where the prediction differs from the real run's report, with the bytes by which it does."""
+    found: list[str] = []
 
     def compare(what: str, mine: Any, theirs: Any) -> None:
         if mine != theirs:
@@ -234,9 +277,13 @@ def precision(option: str) -> str:
 
 
 def predicted(spec: str, target: str = "cpu") -> Any:
+    return predicted_steps(spec, target)[-1]
+
+
+def predicted_steps(spec: str, target: str = "cpu") -> list[Any]:
     name, _, option = spec.partition("@")
     with onednn(option):
-        return predict(build(name), batch(name), target=target, precision=precision(option))
+        return dry_run(build(name), batch(name), target=target, precision=precision(option), steps=steps(name)).reports
 
 
 def activations(report: Any, phase: str = "before_backward") -> int:
@@ -246,9 +293,12 @@ def activations(report: Any, phase: str = "before_backward") -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_prediction_equals_a_real_cpu_fit_to_the_byte(spec: str) -> None:
-    if spec == "wav2vec2":
+    if spec.startswith("wav2vec2"):
         pytest.importorskip("transformers")
-    found = differences(predicted(spec), real_runs()[spec])
+    real = real_runs()[spec]["reports"]
+    mine = predicted_steps(spec)
+    assert len(mine) == len(real)
+    found = [f"step {i + 1}: {d}" for i, (p, r) in enumerate(zip(mine, real, strict=True)) for d in differences(p, r)]
     assert not found, f"{spec}:\n" + "\n".join(found)
 
 
@@ -278,6 +328,40 @@ def test_the_workspace_is_onednns_layout_and_the_real_operators_size() -> None:
         weights = (layer.weight_ih_l0, layer.weight_hh_l0, layer.bias_ih_l0, layer.bias_hh_l0)
         out = torch.ops.aten.mkldnn_rnn_layer(x, *weights, h, h, False, [], 2, hidden, 1, True, False, False, True)
         assert out[3].numel() == onednn_lstm_workspace(steps, batch_size, inputs, hidden, 4, 4)
+
+
+class Unlogged(Logged):
+    """``Logged``'s step without its logs."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, _ = batch
+        return self.linear(features).pow(2).mean()
+
+
+class Silent(Logged):
+    """``Logged`` whose class overrides ``log`` with one that keeps nothing, as a real fit then runs it."""
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_what_self_log_keeps_is_lightning_s_result_collection_to_the_byte() -> None:
+    def ends(module: L.LightningModule) -> list[int | None]:
+        reports = dry_run(module, batch("logged"), steps=2).reports
+        return [report.phases["batch_end"].allocated_bytes for report in reports]
+
+    plain = ends(Unlogged())
+    assert ends(Silent()) == plain  # a class's own log is the one that runs
+    logged = ends(Logged())
+    # per name: a metric's state and its default, a 0-d float each, and for a mean a 0-d int64 count and its default;
+    # the step's detached clone where it is logged on step (there, the state is that clone); the running value on epoch
+    on_step_and_epoch = (4 + 4) + (8 + 8) + 4  # "loss": the default, the running sum, the count (2) and the clone
+    on_epoch_sum = 4 + 4  # "total": the default and the running sum, no count
+    on_step = 4 + (8 + 8) + 4  # "rate", "a", "b": the float's default, the count and its default, the clone
+    kept = on_step_and_epoch + on_epoch_sum + 3 * on_step
+    assert kept == 108
+    # the second step's batch_end: the first step's four clones are still the Trainer's callback_metrics
+    assert [mine - theirs for mine, theirs in zip(logged, plain, strict=True)] == [kept, kept + 4 * 4]  # type: ignore[operator]
 
 
 class Logits(nn.Module):

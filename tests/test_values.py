@@ -279,3 +279,73 @@ def test_the_command_predicts_models_built_from_their_class(tmp_path: Path, cli:
     (line,) = done.stderr.strip().splitlines()
     assert "cannot be predicted" in line and "models.py:" in line and "if out.mean() > 0:" in line
     assert "Traceback" not in done.stderr
+
+
+class SavedConstant(nn.Module):
+    """A constant made for real (``torch.full``) meets the model's tensors inside a composite operator (``einsum``
+    permutes it first), so autograd saves the fake mode's copy of it, as ``nn.LSTM`` saves its default zero state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.einsum("bk,kn->bn", self.lin(x), torch.full((8, 8), 2.0))
+
+
+def test_a_known_constant_that_autograd_saves_is_an_activation_counted_once() -> None:
+    report = predict(SavedConstant(), torch.Size([4, 8]), loss_fn=total)
+    forward = report.phases["before_backward"]
+    constant = 8 * 8 * 4  # the product keeps the constant (fp32) for the gradient of lin's output, and nothing else
+    assert forward.tenants_bytes["activations"] == constant
+    start = report.phases["batch_start"].allocated_bytes
+    assert start is not None and forward.allocated_bytes is not None
+    assert forward.allocated_bytes - start == constant + 4  # and the loss: the constant is counted once
+
+
+class Lengths(nn.Module):
+    """Lengths from ``torch.ones_like`` of the float input, as Wav2Vec2ForCTC makes its CTC lengths without a mask:
+    their value sizes the slice, and the product keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lengths = torch.ones_like(x, dtype=torch.long).sum(-1)
+        half = int(lengths[0]) // 2
+        return self.lin(x[:, :half]) * lengths[:, None]
+
+
+def test_an_integer_ones_like_of_a_fake_input_is_a_known_constant_counted_as_a_real_run_holds_it() -> None:
+    report = predict(Lengths(), torch.Size([4, 16]), loss_fn=total)
+    assert report.tenants_bytes["weights"] == (8 * 8 + 8) * 4  # the slice's width is 16 // 2 = 8, the Linear's
+    forward = report.phases["before_backward"]
+    assert forward.tenants_bytes["activations"] == 4 * 8  # the product keeps the int64 lengths (4), and nothing else
+    start = report.phases["batch_start"].allocated_bytes
+    assert start is not None and forward.allocated_bytes is not None and forward.window_peak_bytes is not None
+    assert forward.allocated_bytes - start == 4 * 8 + 4  # the lengths and the loss
+    # the peak: the int64 ones (4 x 16) while their sum, the lengths, is made
+    assert forward.window_peak_bytes - start == 4 * 16 * 8 + 4 * 8
+
+
+def test_a_floating_ones_like_stays_fake_and_a_branch_on_it_is_one_sentence() -> None:
+    def loss(model: nn.Module, x: Tensor) -> Tensor:
+        if torch.ones_like(x).sum() > 0:  # fp32: arithmetic, not a mask; its values are not made
+            return model(x).sum()
+        return model(x).mean()
+
+    with pytest.raises(PredictionError, match=r"test_values.py:\d+ \(loss\): if torch.ones_like\(x\).sum\(\) > 0:"):
+        predict(nn.Linear(4, 4), torch.Size([2, 4]), loss_fn=loss)
+
+
+def test_a_known_tensor_written_with_unknown_values_is_unknown_from_then_on() -> None:
+    def loss(model: nn.Module, x: Tensor) -> Tensor:
+        seen = torch.zeros(2, 4)  # a constant, known
+        seen.add_(model(x).detach())  # written with values no one knows: the zeros are no longer its values
+        if seen.sum() > 0:
+            return model(x).sum()
+        return model(x).mean()
+
+    with pytest.raises(PredictionError, match=r"test_values.py:\d+ \(loss\): if seen.sum\(\) > 0:"):
+        predict(nn.Linear(4, 4), torch.Size([2, 4]), loss_fn=loss)

@@ -43,32 +43,13 @@ HERE = Path(__file__).resolve().parent
 PROCESSES = 2
 
 # cell (configuration, entry point): the area of the package that makes it fail today
-_ROOT = "FSDP root (cluster.py): the root's parameters are still gathered at the step's end, rank 0 holds 56-67%"
-_CTC = "kernels (CTC loss): Wav2Vec2ForCTC's input_lengths come from the batch through the model, unknown to a dry run"
 KNOWN: dict[tuple[str, str], str] = {
-    **{
-        (name, "fsdp"): _ROOT
-        for name in (
-            "llama/bf16-mixed",
-            "mistral/32-true",
-            "qwen2/32-true",
-            "gemma/bf16-true",
-            "phi/32-true",
-            "bert/32-true",
-            "roberta/32-true",
-            "bart/bf16-mixed",
-            "mixtral/32-true",
-            "qwen2_moe/32-true",
-            "whisper/32-true",
-        )
-    },
-    ("demo_lstm/32-true", "fsdp"): "FSDP root (cluster.py): the root's own LSTM stays sharded, DTensor meets Tensor",
-    ("demo_transformer/32-true", "fsdp"): "FSDP (cluster.py): nn.Transformer's causal-mask check guards on a value",
-    **{("wav2vec2/32-true", entry): _CTC for entry in ("predict_cpu", "predict_gpu", "cli", "advise", "ddp")},
-    ("wav2vec2/32-true", "fsdp"): "kernels (CTC loss) or FSDP: a guard on a data-dependent value under fully_shard",
-    ("demo_lstm/32-true", "predict_cpu"): "kernels (LSTM): the peak is 24 B under the real fit's",
-    ("demo_lstm/32-true", "advise"): "kernels (LSTM): the fix's peak is 28 B under the real fit's",
-    ("lstm/32-true", "predict_cpu"): "kernels (LSTM): the activations are 4,096 B under the real fit's",
+    # refused as a real FSDP2 run fails: init_hidden's new_zeros on a sharded parameter makes a DTensor
+    ("demo_lstm/32-true", "fsdp"): "the step itself under FSDP2: the LSTM's hidden state is a DTensor, refused",
+    # Wav2Vec2's LayerDrop (config.layerdrop=0.1) draws torch.rand([]) per layer: a dry run draws it from a fork of
+    # the generator, where the real fit's dropout masks have moved it on; at the fix's batch of 2 the second step skips
+    # another layer (with layerdrop=0.0 the fix's peak equals the real fit's, 10,090,096 B)
+    ("wav2vec2/32-true", "advise"): "values (random draws): LayerDrop skips other layers than the real fit's, -596 KB",
 }
 
 

@@ -7,7 +7,7 @@ this file alone; each reader here degrades to "not measured" or a conservative a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,44 @@ def local_tensor(tensor: Tensor) -> Tensor:
         The local shard, or ``tensor`` where it has none.
     """
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """FSDP2's records of the parameters it shards under ``module`` (``FSDPParam``, private), each unit's in order.
+
+    FSDP2 swaps a unit's registered parameters between its sharded DTensors and the gathered tensors with
+    ``_parameters[name] = ...`` (no registration hook fires), and leaves a root gathered from its forward to its
+    backward; the census reads both from these records (``_get_fsdp_state()._fsdp_param_group.fsdp_params``).
+
+    Args:
+        module: any module.
+
+    Returns:
+        The records; none where FSDP2 shards nothing under ``module``.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    found: list[Any] = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+            found.extend(getattr(group, "fsdp_params", ()))
+    return found
+
+
+def fsdp_pairs(params: Sequence[Any]) -> list[tuple[Tensor, Tensor | None]]:
+    """Each FSDP2 record's sharded parameter (a DTensor) and its gathered tensor (``_unsharded_param``, private:
+    None before the first all-gather; its storage is freed, not dropped, when the unit reshards).
+
+    Args:
+        params: records from :func:`fsdp_params`.
+
+    Returns:
+        ``(sharded, gathered)`` pairs in the same order.
+    """
+    return [(param.sharded_param, getattr(param, "_unsharded_param", None)) for param in params]
 
 
 def inner_tensors(tensor: Tensor) -> Iterator[Tensor]:
@@ -475,6 +513,64 @@ def lightning_optimizers(module: Any) -> list[Any]:
 
     optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     return list(optimizers)
+
+
+def result_collection() -> Any:
+    """A new, empty store of what ``self.log`` logs in a training loop (Lightning's ``_ResultCollection``).
+
+    A dry run keeps what a Trainer keeps of each logged value (its detached clone, an epoch-level mean's running sum
+    and count, the metric's defaults) with Lightning's own code, which has no public entry.
+
+    Returns:
+        The collection, for ``training_step``'s logs.
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    return _ResultCollection(training=True)
+
+
+def logging_levels(hook: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool]:
+    """``self.log``'s ``on_step`` and ``on_epoch`` in ``hook``, defaults filled in and checked, as Lightning does.
+
+    Lightning's table of each hook's defaults (``_FxValidator``) is private.
+
+    Args:
+        hook: the hook's name (``"training_step"``).
+        on_step: the caller's ``on_step``, or ``None`` for the hook's default.
+        on_epoch: the caller's ``on_epoch``, or ``None`` for the hook's default.
+
+    Returns:
+        ``(on_step, on_epoch)``.
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+
+    return _FxValidator.check_logging_and_get_default_levels(hook, on_step=on_step, on_epoch=on_epoch)
+
+
+def step_metrics(results: Any) -> dict[str, Tensor]:
+    """The tensors a Trainer holds after each batch from its result collection: ``callback_metrics`` and
+    ``logged_metrics`` (the logger connector's ``on_batch_end``), which keep them until the next batch's replace them.
+
+    ``_ResultCollection.metrics(on_step=True)`` without the progress bar's, which it turns into Python numbers with
+    ``.item()`` (no memory, and no value a fake tensor has); its readers of each metric are private.
+
+    Args:
+        results: the collection of :func:`result_collection`.
+
+    Returns:
+        ``"callback/<name>"`` and ``"log/<name>"`` keys, as the two dicts of the logger connector hold them.
+    """
+    metrics: dict[str, Tensor] = {}
+    for _, metric in results.valid_items():
+        value = results._get_cache(metric, True)
+        if not isinstance(value, Tensor):
+            continue
+        name, forked = results._forked_name(metric, True)
+        if metric.meta.logger:
+            metrics[f"log/{forked}"] = value
+        metrics[f"callback/{name}"] = value
+        metrics[f"callback/{forked}"] = value
+    return metrics
 
 
 def compiled_by_lightning(module: Any) -> bool:

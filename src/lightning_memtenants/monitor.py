@@ -159,7 +159,8 @@ class TenantMonitor:
         if isinstance(source, TrackerSource):  # the tenants and the totals agree on what is host memory
             self._tracker.host_memory = source.tracker.is_host
         self._counter = TenantCounter(module, self.optimizers, host_state)
-        self._tracker.params = frozenset(id(t) for t in self._counter.tensors)
+        self._tracker.params = self._counter.param_ids()
+        self._tracker.params_of = self._counter.param_ids
         # registrations of parameters, buffers and submodules anywhere: the cue to read the parameters again
         self._tree = TreeWatch()
         self._tree_seen = self._tree.version
@@ -570,7 +571,7 @@ class TenantMonitor:
         self._tree_seen = self._tree.version
         self._counter.refresh()
         tensors = self._counter.tensors
-        self._tracker.params = frozenset(id(t) for t in tensors)
+        self._tracker.params = self._counter.param_ids()
         self._read_sizes()
         return len(before) != len(tensors) or not all(map(is_, before, tensors))
 

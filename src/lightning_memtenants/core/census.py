@@ -15,7 +15,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memtenants._private import SAVED_PREFIX, SavedTensor, cast_source, inner_tensors, local_tensor
+from lightning_memtenants._private import (
+    SAVED_PREFIX,
+    SavedTensor,
+    cast_source,
+    fsdp_pairs,
+    fsdp_params,
+    inner_tensors,
+    local_tensor,
+)
 from lightning_memtenants.core.record import GraphCounts
 from lightning_memtenants.core.storage import (
     PLAIN,
@@ -58,6 +66,8 @@ class ActivationTracker:
         # ids of the parameters: a saved tensor made from one of them by a dtype cast is autocast's
         # half copy of a weight, reported as ``autocast_cache`` rather than as an activation
         self.params: frozenset[int] = frozenset()
+        # where set, read again at each observe: FSDP2 makes a root's gathered parameters at its first forward
+        self.params_of: Callable[[], frozenset[int]] | None = None
         # which storages stand for host memory in a model of another device (the memory source's say), never counted
         self.host_memory: Callable[[torch.UntypedStorage], bool] | None = None
         self.error: Exception | None = None
@@ -127,6 +137,8 @@ class ActivationTracker:
         if self.error is not None:
             return
         try:
+            if self.params_of is not None:
+                self.params = self.params_of()
             self._walk([t.grad_fn for t in tensors_in(output) if t.grad_fn is not None])
         except Exception as error:  # reading the graph must never fail the user's step
             self.error = error
@@ -336,7 +348,19 @@ class TenantCounter:
         self.tensors: list[Tensor] = []
         self._weight_keys: set[int] = set()
         self._weights = 0
+        self._fsdp: list[Any] = []  # FSDP2's records of its parameters (see ``refresh``)
         self.refresh()
+
+    def param_ids(self) -> frozenset[int]:
+        """The ids of the tensors autocast may cast as weights: the parameters and buffers, and FSDP2's gathered
+        parameters (a cast of the root's, gathered from its forward to its backward, is a weight cast too).
+
+        Returns:
+            The ids, for :attr:`ActivationTracker.params`.
+        """
+        if not self._fsdp:
+            return self._ids
+        return self._ids.union(id(g) for _, g in fsdp_pairs(self._fsdp) if g is not None)
 
     def refresh(self) -> None:
         """Read the module's parameters and buffers again, and the bytes of the weights tenant.
@@ -344,7 +368,13 @@ class TenantCounter:
         Raises:
             ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
         """
-        self.tensors = list(chain(self.module.parameters(), self.module.buffers()))
+        # a parameter FSDP2 holds gathered now (a root's, from its forward to its backward) counts as its shard:
+        # FSDP2 swaps them back without registering, so a gathered one read here would be counted after its reshard
+        self._fsdp = fsdp_params(self.module)
+        sharded = {id(gathered): shard for shard, gathered in fsdp_pairs(self._fsdp) if gathered is not None}
+        params = [sharded.get(id(p), p) for p in self.module.parameters()]
+        self.tensors = list(chain(params, self.module.buffers()))
+        self._ids = frozenset(id(t) for t in self.tensors)
         self._weight_keys = set()
         self._weights = unique_storage_bytes(self.tensors, self._weight_keys)
 
@@ -365,6 +395,8 @@ class TenantCounter:
         """
         seen = set(self._weight_keys)
         weights = self._weights
+        if self._fsdp:  # FSDP2's gathered parameters (the root's, after its forward) are no tenant: no activation
+            unique_storage_bytes([g for _, g in fsdp_pairs(self._fsdp) if g is not None], seen)
         gradients = unique_storage_bytes([t.grad for t in self.tensors if t.grad is not None], seen)
         if optimizer_state_bytes is None:
             optimizer_state = unique_storage_bytes(optimizer_state_tensors(self.optimizers, self.host_state), seen)

@@ -21,7 +21,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack
 
-from lightning_memtenants._private import hidden_saved_tensors_hooks, lightning_optimizers
+from lightning_memtenants._private import (
+    hidden_saved_tensors_hooks,
+    lightning_optimizers,
+    logging_levels,
+    result_collection,
+    step_metrics,
+)
 from lightning_memtenants.analysis.engines import ddp_notes_and_part, sharding_notes
 from lightning_memtenants.analysis.forecast import UNBOUNDED, PeakForecast, limit_bytes
 from lightning_memtenants.checks import brief
@@ -386,7 +392,7 @@ def _run(
         if rank is not None:
             notes.append(f"rank {rank.rank} of {rank.parallel.name}, predicted over a fake process group")
             if rank.parallel.strategy == "fsdp":
-                called = _called_by_step(fake, batch, param_dtype, mode) if lightning else None
+                called = _called_by_step(fake, batch, param_dtype, mode, settings.routing) if lightning else None
                 notes.append(f"FSDP2: {shard(fake, mesh, lightning=lightning, called=called)}")
         faked = fake_batch(batch, fake, param_dtype, notes)
         elements, batch_bytes = batch_elements(faked)
@@ -450,21 +456,27 @@ def _run(
             source.tracker.rewrite = fused_attention_rewrite(source.tracker)
             if rank is not None:  # DTensor's collectives' waits return their tensor, as for real
                 source.tracker.rewrite = collective_waits(source.tracker.rewrite)
+        logs = _Logs() if lightning else None  # what the Trainer keeps of self.log, from batch to batch
         try:
             with threads, eager(), torch.random.fork_rng(devices=[]), known, kernels:
+                detach = logs.attach(fake) if logs is not None else None
                 try:
                     for index in range(settings.steps):
                         step = _step(
                             fake, faked, index, optimizers, monitor, forward, loss_fn, lightning, threads,
-                            accumulate=settings.accumulate, ddp=wrapped,
+                            accumulate=settings.accumulate, ddp=wrapped, logs=logs,
                         )  # fmt: skip
                         reports.append(step)
                 finally:  # the tracker's dispatch mode leaves first (it is above the cuBLAS one), whatever was raised
                     monitor.close()
+                    if detach is not None:
+                        detach()
         except Exception as error:
             unknown = unknown_value_in(error, source.tracker)
             if unknown is not None:  # one sentence naming the line, never torch's exception or the monitor's
                 raise unknown_value_error(unknown, "the training step") from None
+            if rank is not None and rank.parallel.strategy == "fsdp" and MIXED_DTENSOR in str(error):
+                raise ValueError(_mixed_dtensor(error)) from None
             raise
     if isinstance(kernels, CudaKernels) and kernels.kernels:
         note = attention_note(kernels.kernels, gpu_target)
@@ -483,17 +495,37 @@ def _run(
     return _RankRun(Prediction(reports, elements, batch_bytes, _leading_size(faked), notes), classes)
 
 
-def _called_by_step(fake: nn.Module, batch: BatchArg, param_dtype: Any, mode: Any) -> list[str] | None:
+# DTensor's refusal of an operator given a DTensor and a plain tensor, as a real FSDP2 run raises it
+MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+
+
+def _mixed_dtensor(error: BaseException) -> str:
+    """The sentence for a step that a real FSDP2 run fails too: a sharded parameter's DTensor met a plain tensor."""
+    operator = str(error).split(MIXED_DTENSOR)[0].strip() or "an operator"
+    return (
+        f"strategy='fsdp': the training step gives {operator} a DTensor and a plain tensor, which a real FSDP2 run"
+        " refuses the same way: a tensor made from a parameter outside the sharded modules' forward (as"
+        " `next(self.model.parameters()).new_zeros(...)` in training_step) is a DTensor shard, not a tensor; make"
+        " it from the batch, or inside the model's forward"
+    )
+
+
+def _called_by_step(
+    fake: nn.Module, batch: BatchArg, param_dtype: Any, mode: Any, routing: Routing
+) -> list[str] | None:
     """The modules a LightningModule's ``training_step`` calls (see ``top_level_calls``): FSDP2's roots.
 
     Run once, without gradients, on a copy of the fake model that shares its fake tensors, so the copy's
-    attributes made in the step (a cache) are not the dry run's; None where ``configure_model`` shards it.
+    attributes made in the step (a cache) are not the dry run's; None where ``configure_model`` shards it. The
+    constants are real as in the step itself (``KnownValues``: a causal mask's check branches on them), its random
+    draws from a fork of the generator, and the kernels no fake kernel sizes (CTC loss) run as in the step.
     """
     if has_configure_model(fake):
         return None
     probe = fake_module(fake, mode)
     probe_batch = fake_batch(batch, probe, param_dtype, [])
-    with eager():
+    known = KnownValues(mode, random=True, random_limit=RANDOM_ELEMENTS, routing=routing)
+    with eager(), torch.random.fork_rng(devices=[]), known, CpuKernels():
         calls = top_level_calls(probe, lambda: probe.training_step(probe_batch, 0))  # type: ignore[operator]
     return calls
 
@@ -885,6 +917,7 @@ def _step(
     *,
     accumulate: int = 1,
     ddp: Any = None,
+    logs: _Logs | None = None,
 ) -> StepReport:
     """One optimizer step in Lightning's order: ``accumulate`` micro-batches, then the optimizer.
 
@@ -914,6 +947,8 @@ def _step(
             kept = None  # Lightning's previous batch output (the detached loss) is gone before the next batch
             batch_idx = index * accumulate + micro
             monitor.phase("batch_start", batch=batch)
+            if logs is not None:
+                logs.batch_start(batch)
             with forward():
                 if ddp is not None:  # through DDP's forward, as Lightning's DDPStrategy runs the step
                     out = ddp_forward(ddp, batch, batch_idx)
@@ -941,6 +976,8 @@ def _step(
                 if lightning:  # the closure's output goes; a plain loop's ``loss`` lives on to the next step
                     del out, loss
             monitor.phase("batch_end")
+            if logs is not None:  # after the callbacks' on_train_batch_end, as Lightning's logger connector
+                logs.batch_end()
         report = monitor.end_step()
         del kept
     finally:
@@ -984,6 +1021,98 @@ def _attach_manual(
         del module.optimizers
 
     return restore
+
+
+class _Logs:
+    """What a Trainer keeps of a LightningModule's ``self.log`` (and ``log_dict``) in a fit, kept in a dry run too.
+
+    A dry run has no Trainer, so Lightning's ``log`` would keep nothing; a real fit keeps, per logged name, in its
+    result collection (Lightning's own code, run here): the metric's state and its defaults (a 0-d float and, for a
+    mean, a 0-d int64 count), the step value's detached clone (``on_step``), the running sum of an epoch-level value
+    (``on_epoch``), and a float32 copy of a value logged in another dtype; after each batch its logger connector holds
+    that batch's values (``callback_metrics``, ``logged_metrics``) until the next batch's replace them. ``sync_dist``
+    is not modelled (a collective under a strategy), nor what the progress bar holds (Python numbers).
+    """
+
+    def __init__(self) -> None:
+        self.results = result_collection()
+        self.held: dict[str, Tensor] = {}
+
+    def attach(self, module: nn.Module) -> Callable[[], None] | None:
+        """Give ``module`` a ``log`` that keeps what Lightning keeps, where its class uses Lightning's own.
+
+        A class that overrides ``log`` keeps its own, as in a real fit. ``log_dict`` is Lightning's, which calls
+        ``self.log``.
+
+        Returns:
+            What takes the module's own ``log`` back, or ``None`` where nothing was attached.
+        """
+        owner = next((c for c in type(module).__mro__ if "log" in vars(c)), None)
+        lightning = owner is not None and owner.__name__ == "LightningModule" and owner.__module__.endswith(".module")
+        if not lightning or "log" in vars(module):
+            return None
+        module.log = self.log  # type: ignore[method-assign]
+
+        def detach() -> None:
+            del module.log
+
+        return detach
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """``LightningModule.log`` in ``training_step``, as a Trainer runs it on one device."""
+        if isinstance(value, Tensor):  # LightningModule.log's own conversion (``__to_tensor``)
+            value = value.clone().detach()
+            if value.numel() != 1:
+                raise ValueError(
+                    f"`self.log({name}, ...)` was called with a tensor of {value.numel()} elements: it must have a"
+                    f" single element (as Lightning requires); try `self.log({name}, value.mean())`"
+                )
+            value = value.squeeze()
+        elif isinstance(value, (int, float)):
+            dtype = torch.get_default_dtype()
+            value = torch.tensor(value, dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32)
+        on_step, on_epoch = logging_levels("training_step", on_step, on_epoch)
+        self.results.log(
+            "training_step",
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            enable_graph=enable_graph,
+            add_dataloader_idx=add_dataloader_idx,
+            batch_size=batch_size,
+            metric_attribute=metric_attribute,
+            rank_zero_only=rank_zero_only,
+        )
+
+    def batch_start(self, batch: Any) -> None:
+        """The logger connector's ``on_batch_start``: the batch an epoch-level mean reads its size from."""
+        self.results.batch = batch
+        self.results.batch_size = None
+
+    def batch_end(self) -> None:
+        """The logger connector's ``on_batch_end``: the batch's values held until the next batch's replace them."""
+        self.held.update(step_metrics(self.results))
+        self.results.batch = None
 
 
 def _raise(message: str) -> None:

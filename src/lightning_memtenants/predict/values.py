@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -139,25 +140,37 @@ class KnownValues(TorchFunctionMode):
         self.device = device
         # ``torch.empty`` and its kin make no values to branch on: their tensors stay fake (FSDP2's buffers are made so)
         self.factories = frozenset(f for f in tensor_factories() if "empty" not in getattr(f, "__name__", ""))
+        # storage id -> a weak reference to it, for the known storages an operator with an unknown input wrote into
+        self._written_storages: dict[int, weakref.ref] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in _INDEXING and len(args) > 1:
             args = (args[0], _integers(args[1]), *args[2:])
+        like = self._constant_like(func, args, kwargs)
+        if like is not None:  # ``torch.ones_like(x)``: a constant, whose shape alone is x's
+            args = (like, *args[1:])
         known, fake = [], False
         for tensor in _tensors((*args, *kwargs.values())):
             if is_known(tensor, self.limit):
                 known.append(tensor)
+                fake = fake or self._stale(tensor)  # written by an operator on the fake mode: its copy is what holds
             else:
                 fake = True
         drawn = _random(func)
         if drawn and any(t.numel() > self.random_limit for t in known):
             fake = True  # a large draw stays fake: its values decide no path
-        if not fake and (self.random or not drawn) and (known or self._small_constant(func, args, kwargs, drawn)):
+        if like is not None and not fake:
+            known = []  # the stand-in is no input: the constant is the operator's new tensor
+        made = known or like is not None or self._small_constant(func, args, kwargs, drawn)
+        if not fake and (self.random or not drawn) and made:
             if not known and self.device is not None and kwargs.get("device") is None:
                 kwargs = {**kwargs, "device": self.device}
-            with unset_fake():
-                out = func(*args, **kwargs)
+            if self.tracker is None:
+                with unset_fake():
+                    out = func(*args, **kwargs)
+            else:
+                out = self._counted(func, args, kwargs, known)
             if drawn:
                 self.drew = True
             if self.routing is not None and any(getattr(t, _ROUTED, False) for t in known):
@@ -174,14 +187,136 @@ class KnownValues(TorchFunctionMode):
                 copies = [real_as_fake(self.mode, tensor) for tensor in known]
             finally:
                 tracker.unseen = False
-            for copy in copies:
-                tracker.host(copy)
+            twins = {}
+            for tensor, copy in zip(known, copies, strict=True):
+                if getattr(tensor, _TWIN, None) is None:  # the batch's (counted as the batch) or a routed choice
+                    tracker.host(copy)
+                else:
+                    twins[id(tensor)] = copy
+            if twins and _recorded(func, args, kwargs):
+                # autograd saves what the operator is given: the twin, the memory counted, not the real tensor
+                swapped = dict(zip(kwargs, _swapped(tuple(kwargs.values()), twins), strict=True))
+                out = func(*_swapped(args, twins), **swapped)
+                self._written(func, args, kwargs)
+                return self._checked(func, args, kwargs, out)
         out = func(*args, **kwargs)
+        if known:
+            self._written(func, args, kwargs)
+        return self._checked(func, args, kwargs, out)
+
+    def _checked(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        """``out`` of an operator run on the fake mode, its sizes checked, a router's choice made real."""
         if self.tracker is None:
             return out
         _known_sizes(out)
         if self.routing is not None and getattr(func, "__name__", "") in _CHOICES:
             return self._route(func, args, kwargs, out)
+        return out
+
+    def _constant_like(self, func: Any, args: Any, kwargs: Any) -> Tensor | None:
+        """For an integer or boolean ``ones_like``, ``zeros_like`` or ``full_like`` of a fake tensor, a real stand-in
+        for that tensor.
+
+        Their values are the constant's, whatever the tensor's: only its shape, strides and device are read. An integer
+        or boolean constant is a mask, a length or an index, whose values decide paths and sizes (Wav2Vec2ForCTC's CTC
+        lengths are ``torch.ones_like(input_values, dtype=torch.long).sum(-1)``): it is known, where it has at most
+        ``limit`` elements, on the CPU. The stand-in (uninitialised, of the same strides, never counted) is what
+        ``func`` runs on, and its output is counted as :meth:`_counted` counts every known tensor, as the real run holds
+        it. A floating one (an optimizer's ``zeros_like(p)``), a larger one, or one of a wrapper (a DTensor) stays
+        fake: made for real it would cost the dry run the memory it predicts.
+
+        Returns:
+            The stand-in, or ``None`` where the call is not such a constant.
+        """
+        if self.mode is None or func not in _LIKE or not args or type(args[0]) is not FakeTensor:
+            return None
+        source = args[0]
+        dtype = kwargs.get("dtype") or source.dtype
+        if dtype.is_floating_point or dtype.is_complex or kwargs.get("requires_grad"):
+            return None  # arithmetic (an optimizer's zeros_like(p)), whose values decide nothing: it stays fake
+        if any(isinstance(t, Tensor) for t in (*args[1:], *kwargs.values())):
+            return None
+        device = kwargs.get("device")
+        if source.device.type != "cpu" or (device is not None and torch.device(device).type != "cpu"):
+            return None
+        if source.layout is not torch.strided or kwargs.get("layout") not in (None, torch.strided):
+            return None
+        sizes = (*source.shape, *source.stride())
+        if not all(type(n) is int for n in sizes) or source.numel() > self.limit:
+            return None
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.unseen = True
+        try:
+            with unset_fake():
+                return torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device="cpu")
+        finally:
+            if tracker is not None:
+                tracker.unseen = False
+
+    def _stale(self, tensor: Tensor) -> bool:
+        """Whether an operator with an unknown input wrote into ``tensor``'s storage: its values are unknown now."""
+        if not self._written_storages:
+            return False
+        ref = self._written_storages.get(id(tensor.untyped_storage()))
+        return ref is not None and ref() is tensor.untyped_storage()
+
+    def _written(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Mark the known tensors that ``func``, which ran on the fake mode, wrote into (in place, or ``out=``): their
+        fake copies now hold what it wrote, and their real values are no longer the tensor's, so they count as unknown
+        from now on (the fake copy, the same memory, is what later operators see)."""
+        name = getattr(func, "__name__", "")
+        written = [kwargs["out"]] if kwargs.get("out") is not None else []
+        if args and (name in _IN_PLACE or (name.endswith("_") and not name.endswith("__"))):
+            written.append(args[0])
+        for tensor in _tensors(written):
+            if not isinstance(tensor, FakeTensor) and tensor.layout is torch.strided:
+                storage = tensor.untyped_storage()
+                self._written_storages[id(storage)] = weakref.ref(storage)
+
+    def _counted(self, func: Any, args: Any, kwargs: Any, known: list[Tensor]) -> Any:
+        """``func`` computed for real, each new storage it makes counted as its fake twin (:data:`_TWIN`).
+
+        The real storage is unseen by the tracker; its twin, the fake copy the fake mode will convert it to where it
+        meets a fake tensor, is what is counted, from now on. The twin is held by every real tensor on the storage,
+        and by whatever holds the fake copy (autograd, which saves ``nn.LSTM``'s default zero state): so the memory
+        lives as long as either, as the one real storage does in a real run, counted once in the allocated bytes and,
+        where autograd saves it, as an activation.
+        """
+        tracker = self.tracker
+        assert tracker is not None
+        tracker.unseen = True
+        try:
+            with unset_fake():
+                out = func(*args, **kwargs)
+            # each input's storage, and its twin (none for the batch's tensors, already counted as the batch)
+            twins = {id(t.untyped_storage()): getattr(t, _TWIN, None) for t in known if t.layout is torch.strided}
+            # a model of another device keeps ``torch.tensor(...)``'s Python data on the host (its ``host_ops``)
+            lifted = bool(tracker.host_ops) and getattr(func, "__name__", "") in _LIFTED
+            made: list[tuple[Tensor, Tensor | None]] = []
+            for tensor in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                # a twin is the storage's: a copy's own (``copy.deepcopy`` copies the attribute) is made anew
+                if isinstance(tensor, FakeTensor) or tensor.device.type != "cpu" or tensor.layout is not torch.strided:
+                    continue
+                key = id(tensor.untyped_storage())
+                if key in twins:  # a view of an input: the input's twin, or none (the batch's memory)
+                    if twins[key] is not None:
+                        setattr(tensor, _TWIN, twins[key])
+                    continue
+                if lifted:  # host memory, in no figure: its fake copies too, as the batch's
+                    twins[key] = None
+                    made.append((tensor, None))
+                    continue
+                twin = real_as_fake(self.mode, tensor)
+                setattr(tensor, _TWIN, twin)
+                twins[key] = twin
+                made.append((tensor, twin))
+        finally:
+            tracker.unseen = False
+        for tensor, twin in made:
+            tracker.host(tensor)  # the real storage is never counted, whoever shows it to the tracker (a resume's root)
+            if twin is not None:
+                tracker.add(twin)
         return out
 
     def _route(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -251,6 +386,9 @@ class KnownValues(TorchFunctionMode):
 # The attribute that marks a real tensor computed from a routed choice, and the one that keeps its fake indices alive.
 _ROUTED = "_memtenants_routed"
 _STANDS_FOR = "_memtenants_stands_for"
+# The fake copy that stands for a real tensor's storage in the count (:meth:`KnownValues._counted`), on every real
+# tensor on that storage.
+_TWIN = "_memtenants_twin"
 # The operators whose indices are a router's choice, and those whose output sizes follow the values they read.
 _CHOICES = frozenset({"topk", "argmax", "max"})
 _SIZES = frozenset(
@@ -260,6 +398,36 @@ _SIZES = frozenset(
 
 
 _INDEXING = frozenset({"__getitem__", "__setitem__"})
+# The constants made in the shape of a tensor, whatever its values; and the operators that write into their first
+# argument without a trailing underscore.
+_LIKE = (torch.ones_like, torch.zeros_like, torch.full_like)
+# The functions that make a tensor of Python data (``aten.lift_fresh``, a model of a GPU's host operators).
+_LIFTED = frozenset({"tensor", "as_tensor", "asarray", "new_tensor"})
+_IN_PLACE = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+)  # fmt: skip
+
+
+def _recorded(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether autograd may record ``func``'s call (or the calls inside it), saving their inputs: an input requires
+    grad, under grad mode."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in _tensors((*args, *kwargs.values())))
+
+
+def _swapped(values: tuple[Any, ...], twins: dict[int, Tensor]) -> tuple[Any, ...]:
+    """``values`` with each known tensor that has a twin replaced by its fake copy, in lists and tuples too."""
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return twins.get(id(value), value)
+        if isinstance(value, (list, tuple)) and any(id(v) in twins for v in value if isinstance(v, Tensor)):
+            return type(value)(twins.get(id(v), v) if isinstance(v, Tensor) else v for v in value)
+        return value
+
+    return tuple(swap(value) for value in values)
 
 
 def _integers(index: Any) -> Any:
