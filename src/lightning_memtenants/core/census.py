@@ -27,6 +27,7 @@ from lightning_memtenants._private import (
 from lightning_memtenants.core.record import GraphCounts
 from lightning_memtenants.core.storage import (
     PLAIN,
+    TWIN,
     HostState,
     optimizer_state_tensors,
     storages_of,
@@ -221,6 +222,7 @@ class ActivationTracker:
             self._record(tensor, offloaded)
 
     def _record(self, tensor: Tensor, offloaded: set[int]) -> None:
+        tensor = getattr(tensor, TWIN, tensor)  # a dry run's known tensor counts as its fake twin
         if type(tensor) not in PLAIN:
             tensor = local_tensor(tensor)
             inner = list(inner_tensors(tensor))

@@ -41,6 +41,9 @@ _SPARSE_PARTS: dict[torch.layout, tuple[str, ...]] = {
 # are in no device figure: the census and the fixed-cost formula leave them out.
 HostState = Callable[[Optimizer], Collection[str]]
 PLAIN = (Tensor, nn.Parameter)
+# In a dry run, a real tensor computed from known values carries the fake copy that is counted in its stead (its
+# "twin"): whatever holds the real tensor (a checkpoint's saved inputs, say) holds the memory of the twin.
+TWIN = "_memtenants_twin"
 
 
 def storages_of(tensor: Tensor) -> tuple[torch.UntypedStorage, ...]:

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_memtenants._private import FakeTensor, real_as_fake, tensor_factories, unset_fake
+from lightning_memtenants.core.storage import TWIN
 from lightning_memtenants.core.tracker import LiveTensorTracker
 from lightning_memtenants.predict.routing import Routing, routed_indices
 
@@ -387,8 +388,8 @@ class KnownValues(TorchFunctionMode):
 _ROUTED = "_memtenants_routed"
 _STANDS_FOR = "_memtenants_stands_for"
 # The fake copy that stands for a real tensor's storage in the count (:meth:`KnownValues._counted`), on every real
-# tensor on that storage.
-_TWIN = "_memtenants_twin"
+# tensor on that storage (the census counts it in the real tensor's stead).
+_TWIN = TWIN
 # The operators whose indices are a router's choice, and those whose output sizes follow the values they read.
 _CHOICES = frozenset({"topk", "argmax", "max"})
 _SIZES = frozenset(
