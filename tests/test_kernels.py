@@ -33,6 +33,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_models import HFModule
 from lightning.pytorch.demos.boring_classes import Net
 from lightning.pytorch.demos.lstm import LightningLSTM
 from torch import Tensor, nn
@@ -127,18 +128,6 @@ class Logged(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class HFModule(L.LightningModule):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def wav2vec2() -> HFModule:
