@@ -3,15 +3,19 @@ caching allocator that real CPU allocations feed.
 
 Inside ``simulated_cuda()`` every storage allocated on the CPU is a block of ``CachingAllocatorModel`` (through the
 package's ``LiveTensorTracker``, whose weak references free it again), so ``torch.cuda.memory_allocated`` is the
-blocks' bytes, ``memory_reserved`` the segments', and ``max_memory_allocated`` the true peak since the last
-``reset_peak_memory_stats``, which resets it to the bytes allocated now, as CUDA does. ``mem_get_info`` is
-``(total - reserved, total)``; an operator that takes ``memory_reserved`` past the total raises a CUDA-style
-``torch.OutOfMemoryError`` (once: the failed allocation's segment stays reserved, where CUDA would not reserve it).
+blocks' bytes, ``memory_reserved`` the segments', and ``max_memory_allocated`` and ``max_memory_reserved`` the true
+peaks since the last ``reset_peak_memory_stats``, which resets them to the bytes now, as CUDA does. The allocator
+takes the settings given to ``simulated_cuda`` (``PYTORCH_CUDA_ALLOC_CONF``'s, as ``AllocatorSettings``) and keeps a
+pool per stream: the stream current when a storage is allocated is ``torch.cpu.current_stream()``, which
+``torch.cpu.stream(...)`` contexts set (FSDP2 uses them on the CPU); ``synchronize`` completes every stream's
+events. ``mem_get_info`` is ``(total - reserved, total)``; an operator that takes ``memory_reserved`` past the total
+raises a CUDA-style ``torch.OutOfMemoryError`` (once: the failed allocation's segment stays reserved, where CUDA would
+not reserve it).
 ``_record_memory_history`` and ``_dump_snapshot`` record their calls and write a pickle of the snapshot's shape
 (``segments``, one per reserved segment, and ``device_traces``, the events since recording began).
 
 Tensors stay on the CPU: code that decides "CUDA" from a tensor's device must be pointed at ``torch.device("cuda")``
-by the test. Not simulated: kernels, streams, events, ``empty_cache``, ``max_split_size_mb``, expandable segments.
+by the test. Not simulated: kernels, ``torch.cuda`` streams and events, ``empty_cache``.
 
 The functions patched are exactly those ``src/`` calls (``grep -rn "torch\\.cuda\\." src/``), plus ``synchronize``
 for the tests' own independent readers; ``device_count`` is left alone, so Lightning still finds no GPU.
@@ -29,7 +33,7 @@ import pytest
 import torch
 
 from lightning_memtenants.core.tracker import LiveTensorTracker
-from lightning_memtenants.predict.cuda_model import CachingAllocatorModel
+from lightning_memtenants.predict.allocator import AllocatorSettings, CachingAllocatorModel
 
 GiB = 1 << 30
 
@@ -52,10 +56,9 @@ def _check_device(device: Any) -> None:
 class _Allocator(CachingAllocatorModel):
     """The allocator model, plus the peak counter and the history a real allocator keeps."""
 
-    def __init__(self, device: SimulatedCuda) -> None:
-        super().__init__()
+    def __init__(self, device: SimulatedCuda, settings: AllocatorSettings | None = None) -> None:
+        super().__init__(settings, stream=torch.cpu.current_stream, device_bytes=device.total_bytes)
         self.sim = device
-        self.peak_bytes = 0
         self.segment_sizes: list[tuple[int, bool]] = []  # (bytes, small pool) of each reserved segment
         self._sizes: dict[int, int] = {}
 
@@ -67,7 +70,6 @@ class _Allocator(CachingAllocatorModel):
             self.segment_sizes.append((segment, size <= self.SMALL_SIZE))
             self.sim.trace("segment_alloc", len(self.segment_sizes), segment)
         self._sizes[key] = size
-        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         self.sim.trace("alloc", key, size)
         return size
 
@@ -107,6 +109,7 @@ class SimulatedCuda:
         total_bytes: the device's memory, ``mem_get_info()[1]``.
         capability: ``get_device_capability()``.
         fraction: ``get_per_process_memory_fraction()``.
+        settings: the allocator's settings; ``None`` for torch's defaults.
 
     Attributes:
         allocator: the allocator model behind every figure.
@@ -116,11 +119,17 @@ class SimulatedCuda:
         ooms: how many out-of-memory errors were raised.
     """
 
-    def __init__(self, total_bytes: int = 8 * GiB, capability: tuple[int, int] = (8, 0), fraction: float = 1.0):
+    def __init__(
+        self,
+        total_bytes: int = 8 * GiB,
+        capability: tuple[int, int] = (8, 0),
+        fraction: float = 1.0,
+        settings: AllocatorSettings | None = None,
+    ):
         self.total_bytes = int(total_bytes)
         self.capability = capability
         self.fraction = fraction
-        self.allocator = _Allocator(self)
+        self.allocator = _Allocator(self, settings)
         self.tracker = _Tracker(self)
         self.history_calls: list[str | None] = []
         self.snapshots: list[str] = []
@@ -141,6 +150,8 @@ class SimulatedCuda:
 
     def synchronize(self, device: Any = None) -> None:
         _check_device(device)
+        self.tracker.settle()
+        self.allocator.synchronize()  # every stream's work is done: frees waiting for their events happen
 
     def memory_allocated(self, device: Any = None) -> int:
         _check_device(device)
@@ -150,18 +161,23 @@ class SimulatedCuda:
     def max_memory_allocated(self, device: Any = None) -> int:
         _check_device(device)
         self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
-        return self.allocator.peak_bytes
+        return self.allocator.allocated_peak_bytes
 
     def memory_reserved(self, device: Any = None) -> int:
         _check_device(device)
         self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
         return self.allocator.reserved_bytes
 
+    def max_memory_reserved(self, device: Any = None) -> int:
+        _check_device(device)
+        self.tracker.settle()  # a real allocator frees at once; the tracker takes frees off at its next operator
+        return self.allocator.reserved_peak_bytes
+
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         _check_device(device)
         self.resets += 1
         self.tracker.settle()
-        self.allocator.peak_bytes = self.allocator.allocated_bytes
+        self.allocator.reset_peak()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         _check_device(device)
@@ -239,6 +255,7 @@ class SimulatedCuda:
             "memory_allocated",
             "max_memory_allocated",
             "memory_reserved",
+            "max_memory_reserved",
             "reset_peak_memory_stats",
             "mem_get_info",
             "get_device_capability",
@@ -256,7 +273,10 @@ class SimulatedCuda:
 
 @contextmanager
 def simulated_cuda(
-    total_bytes: int = 8 * GiB, capability: tuple[int, int] = (8, 0), fraction: float = 1.0
+    total_bytes: int = 8 * GiB,
+    capability: tuple[int, int] = (8, 0),
+    fraction: float = 1.0,
+    settings: AllocatorSettings | None = None,
 ) -> Iterator[SimulatedCuda]:
     """CUDA device 0 simulated inside the block; every patch and the tracker's mode are undone on exit.
 
@@ -264,11 +284,12 @@ def simulated_cuda(
         total_bytes: the device's memory.
         capability: its compute capability.
         fraction: what ``get_per_process_memory_fraction`` answers.
+        settings: the allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``); ``None`` for torch's defaults.
 
     Yields:
         The simulated device.
     """
-    sim = SimulatedCuda(total_bytes, capability, fraction)
+    sim = SimulatedCuda(total_bytes, capability, fraction, settings)
     with pytest.MonkeyPatch.context() as monkeypatch:
         sim.install(monkeypatch)
         try:

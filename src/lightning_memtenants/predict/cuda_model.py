@@ -31,8 +31,8 @@ from torch.optim import Optimizer
 from lightning_memtenants._private import TorchDispatchMode
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.predict.allocator import CachingAllocatorModel, round_block  # noqa: F401 (re-exported)
 
-BLOCK_BYTES = 512
 # Compute capability of the GPUs people rent, by the names they rent them under.
 GPUS: dict[str, tuple[int, int]] = {
     "V100": (7, 0),
@@ -60,9 +60,9 @@ HOST_OPS = frozenset({"lift_fresh.default", "lift_fresh_copy.default"})
 # ops that reach cuBLAS (after autograd has decomposed linear and matmul)
 _BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"})
 OUTSIDE_ALLOCATOR = (
-    "outside the allocator, so in neither these figures nor torch.cuda.memory_allocated: the CUDA context"
-    " and the kernels of torch, cuBLAS and cuDNN (typically 300 to 600 MiB per process, by GPU, driver and"
-    " CUDA version; nvidia-smi shows it), and memory that NCCL or other libraries take from the driver directly"
+    "outside the allocator, so in neither these figures nor torch.cuda.memory_allocated: the CUDA context (by the"
+    " GPU's SMs and the CUDA version, with lazy module loading) and NCCL's buffers (by strategy and world size);"
+    " the footprint adds them to the reserved peak for the figure nvidia-smi shows"
 )
 
 
@@ -165,124 +165,6 @@ def resolve_target(target: str, name: str = "target") -> CudaTarget | None:
         except ValueError:
             pass
     raise ValueError(f"{name} must be one of {TARGET_HELP}, got {brief(target)}")
-
-
-def round_block(nbytes: int) -> int:
-    """The CUDA caching allocator's block size for a request: at least 512 bytes, in 512-byte steps.
-
-    Args:
-        nbytes: the bytes a tensor's storage asks for.
-
-    Returns:
-        The bytes the block takes, which is what ``memory_allocated`` counts.
-    """
-    return BLOCK_BYTES if nbytes < BLOCK_BYTES else -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
-
-
-class _Block:
-    __slots__ = ("free", "next", "prev", "size", "small")
-
-    def __init__(self, size: int, small: bool) -> None:
-        self.size = size
-        self.small = small
-        self.free = True
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-
-
-class CachingAllocatorModel:
-    """The CUDA caching allocator's block and segment rules, so a prediction has ``memory_reserved`` too.
-
-    A GPU's allocator keeps freed blocks for reuse, so what a process reserves outgrows what its
-    tensors take; the fake run replays every allocation and free through this model to say by how much.
-
-    Requests are rounded to 512 bytes. Up to 1 MiB they come from 2 MiB segments (the small
-    pool), up to 10 MiB from 20 MiB segments, above that from segments rounded to 2 MiB. A
-    request takes the smallest free block that fits (best fit), split when the rest is worth
-    keeping (512 bytes in the small pool, over 1 MiB in the large); an unsplit block counts whole
-    in ``allocated_bytes``, as CUDA's own counter does. Freed blocks merge with free neighbours;
-    segments are never returned (no ``empty_cache``). One stream, no ``max_split_size_mb``.
-
-    Attributes:
-        reserved_bytes: the segments' bytes, ``memory_reserved``.
-        allocated_bytes: the taken blocks' bytes, ``memory_allocated``.
-        segments: how many segments were reserved.
-    """
-
-    SMALL_SIZE = 1 << 20
-    SMALL_BUFFER = 2 << 20
-    LARGE_BUFFER = 20 << 20
-    MIN_LARGE_ALLOC = 10 << 20
-    ROUND_LARGE = 2 << 20
-
-    def __init__(self) -> None:
-        self.reserved_bytes = 0
-        self.allocated_bytes = 0
-        self.segments = 0
-        self._free: list[_Block] = []
-        self._taken: dict[int, _Block] = {}
-
-    def malloc(self, key: int, nbytes: int) -> int:
-        """Allocate a block for the storage ``key``, reusing a free one where one fits.
-
-        Args:
-            key: the storage's identity, to free it by.
-            nbytes: the bytes asked for.
-
-        Returns:
-            The block's size, which is what ``memory_allocated`` counts.
-        """
-        size = round_block(nbytes)
-        small = size <= self.SMALL_SIZE
-        fits = [b for b in self._free if b.small == small and b.size >= size]
-        if fits:
-            block = min(fits, key=lambda b: b.size)
-            self._free.remove(block)
-        else:
-            block = _Block(self._segment_size(size), small)
-            self.reserved_bytes += block.size
-            self.segments += 1
-        rest = block.size - size
-        if rest >= BLOCK_BYTES if small else rest > self.SMALL_SIZE:
-            remainder = _Block(rest, small)
-            remainder.prev, remainder.next = block, block.next
-            if block.next is not None:
-                block.next.prev = remainder
-            block.next, block.size = remainder, size
-            self._free.append(remainder)
-        block.free = False
-        self._taken[key] = block
-        self.allocated_bytes += block.size
-        return block.size
-
-    def free(self, key: int) -> None:
-        """Give back the block of ``key`` (nothing if it has none), merged with free neighbours.
-
-        Args:
-            key: the storage's identity, as given to :meth:`malloc`.
-        """
-        block = self._taken.pop(key, None)
-        if block is None:
-            return
-        self.allocated_bytes -= block.size
-        block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._free.remove(neighbour)
-                first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
-                first.size += second.size
-                first.next = second.next
-                if second.next is not None:
-                    second.next.prev = first
-                block = first
-        self._free.append(block)
-
-    def _segment_size(self, size: int) -> int:
-        if size <= self.SMALL_SIZE:
-            return self.SMALL_BUFFER
-        if size < self.MIN_LARGE_ALLOC:
-            return self.LARGE_BUFFER
-        return -(-size // self.ROUND_LARGE) * self.ROUND_LARGE
 
 
 def cublas_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str] | None = None) -> int:
