@@ -188,7 +188,13 @@ def graph_notes(counts: GraphCounts, device_type: str) -> list[str]:
         One sentence per finding; none where the walks found nothing.
     """
     notes = []
-    if counts.checkpointed_regions:
+    if counts.selective_regions:
+        notes.append(
+            f"activation checkpointing: {counts.checkpointed_regions} checkpointed region(s),"
+            f" {counts.selective_regions} of them selective, keep their inputs and the outputs of the operators"
+            " their policy saves (its cache, counted as activations) for backward and recompute the rest"
+        )
+    elif counts.checkpointed_regions:
         notes.append(
             f"activation checkpointing: {counts.checkpointed_regions} checkpointed region(s) keep only their inputs"
             " for backward and recompute the rest, so the activations tenant is smaller than the forward's"
@@ -200,7 +206,8 @@ def graph_notes(counts: GraphCounts, device_type: str) -> list[str]:
         )
         if counts.offloaded_bytes:
             text += (
-                f"; {counts.offloaded_bytes:,} bytes of them were moved off the {device_type} device (an"
+                f"; {counts.offloaded_bytes:,} bytes of them were moved off the"
+                f" {'device' if device_type == 'cpu' else device_type + ' device'} to host memory (an"
                 " offload such as save_on_cpu) and are not in the tenant"
             )
         if counts.opaque:

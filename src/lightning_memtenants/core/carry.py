@@ -281,4 +281,5 @@ def graph_delta(before: GraphCounts, after: GraphCounts) -> GraphCounts:
         opaque=after.opaque - before.opaque,
         offloaded_bytes=after.offloaded_bytes - before.offloaded_bytes,
         compiled=after.compiled,
+        selective_regions=after.selective_regions,
     )

@@ -7,7 +7,7 @@ meta tensors included. The activations are read from the loss's autograd graph, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_memtenants._private import (
     SAVED_PREFIX,
     SavedTensor,
+    TorchDispatchMode,
     cast_source,
     fsdp_pairs,
     fsdp_params,
@@ -71,6 +72,9 @@ class ActivationTracker:
         self.params_of: Callable[[], frozenset[int]] | None = None
         # which storages stand for host memory in a model of another device (the memory source's say), never counted
         self.host_memory: Callable[[torch.UntypedStorage], bool] | None = None
+        # of those, the ones a saved-tensor hook moved off the device modelled (``save_on_cpu`` in a dry run for a
+        # GPU): tallied in ``offloaded_bytes``
+        self.offloaded_memory: Callable[[torch.UntypedStorage], bool] | None = None
         self.error: Exception | None = None
         self.reset_counts()
 
@@ -97,6 +101,7 @@ class ActivationTracker:
         """Zero what the walks found since the last reset (an optimizer step's micro-batches together)."""
         # checkpointed regions in the largest graph observed, and whether torch.compile's code made it
         self.checkpointed = 0
+        self.selective = 0
         self.compiled = False
         # saved tensors that another hook packed, of those packed into something that holds no tensor, and the
         # bytes a hook moved to another device
@@ -108,6 +113,7 @@ class ActivationTracker:
         """What the walks found since the last ``reset_counts``, as a record."""
         return GraphCounts(
             checkpointed_regions=self.checkpointed,
+            selective_regions=self.selective,
             hooked=self.hooked,
             opaque=self.opaque,
             offloaded_bytes=self.offloaded_bytes,
@@ -121,6 +127,7 @@ class ActivationTracker:
             counts: what its walks added (see ``carry.graph_delta``).
         """
         self.checkpointed = max(self.checkpointed, counts.checkpointed_regions)
+        self.selective = max(self.selective, counts.selective_regions)
         self.compiled = self.compiled or counts.compiled
         self.hooked += counts.hooked
         self.opaque += counts.opaque
@@ -168,7 +175,7 @@ class ActivationTracker:
         seen: set[Any] = set()  # the node objects themselves, so that no id is reused during the walk
         stack = roots
         checkpoint_hooks: set[int] = set()
-        reentrant = 0
+        reentrant = selective = 0
         offloaded: set[int] = set()
         while stack:
             node = stack.pop()
@@ -195,13 +202,20 @@ class ActivationTracker:
                     elif getattr(hook, "__module__", "") == "torch.utils.checkpoint":
                         if id(hook) not in checkpoint_hooks:
                             checkpoint_hooks.add(id(hook))
-                            # the region keeps only its inputs, saved by its frame, which the hook closes over
-                            for inputs in _checkpoint_inputs(hook):
+                            # the region keeps its inputs, saved by its frame, which the hook closes over, and under
+                            # selective checkpointing the outputs its policy saves, in the cache its recomputation reads
+                            frame = _checkpoint_frame(hook)
+                            for inputs in _checkpoint_inputs(frame):
                                 self._saved_item(inputs, offloaded)
+                            cache = selective_cache(frame)
+                            selective += bool(cache)
+                            for cached in cache:
+                                self._record(cached, offloaded)
                     else:
                         self._hooked_item(item, offloaded)
             stack.extend(child for child, _ in node.next_functions if child is not None)
         self.checkpointed = max(self.checkpointed, reentrant + len(checkpoint_hooks))
+        self.selective = max(self.selective, selective)
 
     def _saved_item(self, item: Any, offloaded: set[int]) -> None:
         """One ``SavedTensor``: the tensor it stores, or what a user's pack hook made of it."""
@@ -233,7 +247,13 @@ class ActivationTracker:
         elsewhere = self.device_type is not None and tensor.device.type != self.device_type
         for storage in storages_of(tensor):
             key = id(storage)
-            if key in self._ignored or (self.host_memory is not None and self.host_memory(storage)):
+            if key in self._ignored:
+                continue
+            if self.host_memory is not None and self.host_memory(storage):
+                offload = self.offloaded_memory is not None and self.offloaded_memory(storage)
+                if offload and key not in offloaded:
+                    offloaded.add(key)
+                    self.offloaded_bytes += storage.nbytes()
                 continue
             if elsewhere:
                 if key not in offloaded:
@@ -246,20 +266,77 @@ class ActivationTracker:
                 target[key] = (weakref.ref(storage), storage.nbytes())
 
 
-def _checkpoint_inputs(hook: Any) -> list[Any]:
-    """The ``SavedTensor`` inputs of the non-reentrant checkpoint region whose unpack hook this is.
+def _checkpoint_frame(hook: Any) -> Any:
+    """The frame of the non-reentrant checkpoint region whose unpack hook this is, or None.
 
-    ``torch.utils.checkpoint`` keeps them on a frame object (``saved_args``) that its hooks close over;
-    where that layout differs (another torch), the region's inputs are not found and not counted.
+    ``torch.utils.checkpoint``'s hooks close over the region's ``_CheckpointFrame``, known by its ``saved_args``.
     """
     for cell in getattr(hook, "__closure__", None) or ():
         try:
-            saved = getattr(cell.cell_contents, "saved_args", None)
+            value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(saved, list):
-            return [arg for arg in saved if isinstance(arg, SavedTensor)]
-    return []
+        if isinstance(getattr(value, "saved_args", None), list):
+            return value
+    return None
+
+
+def _checkpoint_inputs(frame: Any) -> list[Any]:
+    """The ``SavedTensor`` inputs a non-reentrant checkpoint region's frame keeps (``saved_args``); none where the
+    frame was not found (another torch): the region's inputs are then not counted."""
+    saved = getattr(frame, "saved_args", None)
+    if not isinstance(saved, list):
+        return []
+    return [arg for arg in saved if isinstance(arg, SavedTensor)]
+
+
+def selective_cache(frame: Any) -> list[Tensor]:
+    """The tensors selective activation checkpointing keeps for a region: the outputs of the ops its policy saves.
+
+    ``create_selective_checkpoint_contexts`` caches them outside autograd's saved tensors, in the ``storage`` of the
+    dispatch mode the region's recomputation runs under (``_CachedTorchDispatchMode``, shared with the caching mode
+    of the forward): the frame's ``recompute_fn`` closes over that mode (``recompute_context``), and each entry is
+    a pytree of ``_VersionWrapper`` whose ``val`` is the tensor. An entry backward has consumed is a marker and
+    holds nothing. Private layout, read here alone: on a torch where it differs nothing is found (the cache is
+    then not counted, never mistaken for something else).
+
+    Args:
+        frame: the region's checkpoint frame (``None`` finds nothing).
+
+    Returns:
+        The cached tensors still held; empty for a region without a selective policy (full checkpointing).
+    """
+    try:
+        recompute = getattr(frame, "recompute_fn", None)
+        found: list[Tensor] = []
+        for cell in getattr(recompute, "__closure__", None) or ():
+            try:
+                mode = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            cache = getattr(mode, "storage", None)
+            if not isinstance(mode, TorchDispatchMode) or not isinstance(cache, Mapping):
+                continue
+            for entries in cache.values():
+                for entry in entries.values() if isinstance(entries, Mapping) else ():
+                    _cached_tensors(entry, found)
+        return found
+    except Exception:  # another torch's layout: the cache is left out
+        return []
+
+
+def _cached_tensors(entry: Any, found: list[Tensor]) -> None:
+    """The tensors in one entry of the selective cache: ``_VersionWrapper``s' ``val`` inside tuples, lists, dicts."""
+    if isinstance(entry, (list, tuple)):
+        for item in entry:
+            _cached_tensors(item, found)
+    elif isinstance(entry, Mapping):
+        for item in entry.values():
+            _cached_tensors(item, found)
+    else:
+        value = getattr(entry, "val", None)
+        if isinstance(value, Tensor):
+            found.append(value)
 
 
 def _special(name: str) -> str:
@@ -364,6 +441,14 @@ class TenantCounter:
             return self._ids
         return self._ids.union(id(g) for _, g in fsdp_pairs(self._fsdp) if g is not None)
 
+    def untenanted(self) -> list[Tensor]:
+        """The tensors the census counts in no tenant, though autograd may save them: FSDP2's gathered parameters.
+
+        Returns:
+            Each gathered parameter FSDP2 holds now (its storage is empty once the unit resharded).
+        """
+        return [g for _, g in fsdp_pairs(self._fsdp) if g is not None] if self._fsdp else []
+
     def refresh(self) -> None:
         """Read the module's parameters and buffers again, and the bytes of the weights tenant.
 
@@ -398,7 +483,7 @@ class TenantCounter:
         seen = set(self._weight_keys)
         weights = self._weights
         if self._fsdp:  # FSDP2's gathered parameters (the root's, after its forward) are no tenant: no activation
-            unique_storage_bytes([g for _, g in fsdp_pairs(self._fsdp) if g is not None], seen)
+            unique_storage_bytes(self.untenanted(), seen)
         gradients = unique_storage_bytes([t.grad for t in self.tensors if t.grad is not None], seen)
         if optimizer_state_bytes is None:
             optimizer_state = unique_storage_bytes(optimizer_state_tensors(self.optimizers, self.host_state), seen)

@@ -25,6 +25,7 @@ __all__ = [
     "local_tensor",
     "optimizer_state_tensors",
     "storage_key",
+    "storage_keys",
     "storages_of",
     "tensors_in",
     "unique_storage_bytes",
@@ -79,6 +80,34 @@ def storage_key(tensor: Tensor) -> int:
         A key that two tensors sharing one storage (views) have in common.
     """
     return id(tensor.untyped_storage())
+
+
+def storage_keys(tensors: Iterable[Tensor]) -> list[int]:
+    """The keys of the storages behind ``tensors``, as the live-tensor tracker keys them: a DTensor's are its local
+    shard's, a sparse tensor's its parts', a dry run's known tensor's its fake twin's.
+
+    The timeline files each allocation under a tenant by these keys, so that it names the storages the census
+    counted in that tenant.
+
+    Args:
+        tensors: the tensors.
+
+    Returns:
+        One key per storage, in order (a storage shared by two tensors appears twice).
+
+    Raises:
+        ValueError: if a tensor has a layout whose storages cannot be counted (see :func:`storages_of`).
+    """
+    keys: list[int] = []
+    for tensor in tensors:
+        tensor = getattr(tensor, TWIN, tensor)  # a dry run's known tensor is tracked as its fake twin
+        if type(tensor) not in PLAIN:
+            tensor = local_tensor(tensor)
+        if tensor.layout is torch.strided:
+            keys.append(id(tensor.untyped_storage()))
+        else:
+            keys.extend(id(storage) for storage in storages_of(tensor))
+    return keys
 
 
 def unique_storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtenants._private import hidden_from_function_modes
+from lightning_memtenants.core.storage import storage_keys
 
 # The layers of the stack, bottom first; the last is everything the tenants do not name.
 LAYERS: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
@@ -49,6 +50,9 @@ CASTS = "autocast_cache"
 # The key of :meth:`TimelineRecorder.mark`'s tenants that holds, at ``batch_start``, the batch's own storages: they grow
 # with the batch (:attr:`StepTimeline.scaling`), though the stack draws them with the temporaries.
 BATCH = "batch"
+# The key of :meth:`TimelineRecorder.mark`'s tenants that holds storages the census counts in no tenant even where
+# autograd saved them (FSDP2's gathered parameters): drawn with the temporaries, never as activations.
+UNTENANTED = "untenanted"
 # The marks that end a micro-batch's forward and backward: what is allocated from its ``batch_start`` to the first of
 # them, and is no tenant, is a temporary of the forward or backward, which grows with the batch.
 _END_OF_BACKWARD = ("after_backward", "before_optimizer_step", "batch_end")
@@ -97,6 +101,8 @@ class StepTimeline:
             owning module, every module, largest first; empty where the step had no ``before_backward``.
         module_paths: whether the recorder followed the model's modules (hooks on them); where it did not, no
             operator has a module path, and both splits by module are empty.
+        phase_layers: per phase boundary of ``phases``, in order, each layer's bytes there: what the stack draws at
+            the boundary, whose tenants are the phase table's (a tenant's storages at a boundary are filed under it).
         scaling: per phase window (named by the phase that ends it, ``batch_start`` for what was resident), the
             upper envelope of ``(fixed, scaling)`` byte pairs over the window's events: at each event the live bytes
             split into a part that stays at any batch size (weights, gradients, optimizer state, what was resident
@@ -129,6 +135,7 @@ class StepTimeline:
     activations_before_backward_bytes: dict[str, int] = field(default_factory=dict)
     module_paths: bool = False
     scaling: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    phase_layers: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def peak_label(self) -> str:
@@ -345,6 +352,10 @@ class TimelineRecorder:
         if self._module_paths:  # without them every storage would read as made outside any module
             at_peak, before_backward = self._activations_by_module(codes, saved, best, labels)
         phases = [(phase, op_at, int(totals[p - 1]) if p > 0 else 0) for phase, p, op_at, _ in self._marks]
+        zero = np.zeros(len(LAYERS), dtype=np.int64)
+        phase_layers = [
+            dict(zip(LAYERS, (stacked[p - 1] if p > 0 else zero).tolist(), strict=True)) for _, p, _, _ in self._marks
+        ]
         scaling = self._scaling(codes, sizes, layer, casts, candidates)
         trace: list[tuple[str, int, int]] = []
         allocations: list[tuple[int, str, str, int]] = []
@@ -384,6 +395,7 @@ class TimelineRecorder:
             activations_before_backward_bytes=before_backward,
             module_paths=self._module_paths,
             scaling=scaling,
+            phase_layers=phase_layers,
         )
 
     def _scaling(
@@ -489,12 +501,13 @@ class TimelineRecorder:
         for position in range(len(self._trace) + 1):
             while mark is not None and mark[1] == position:
                 tenants = mark[3]
+                untenanted = tenants.get(UNTENANTED, set())
                 for rank, name in enumerate(LAYERS[:-1]):
                     for key in tenants.get(name, ()):
                         index = live.get(key)
-                        if index is not None and layer[index] > rank:
+                        if index is not None and layer[index] > rank and key not in untenanted:
                             layer[index] = rank
-                others = set().union(*(tenants.get(name, ()) for name in (*LAYERS[:3], CASTS)))
+                others = set().union(*(tenants.get(name, ()) for name in (*LAYERS[:3], CASTS, UNTENANTED)))
                 found = {live[key] for key in tenants.get("activations", ()) if key in live and key not in others}
                 saved.append(sorted(found))
                 for key in tenants.get(CASTS, ()):
@@ -635,8 +648,13 @@ def tenant_keys(
     saved: Iterable[Any],
     casts: Iterable[Any] = (),
     batch: Iterable[Tensor] = (),
+    untenanted: Iterable[Tensor] = (),
 ) -> dict[str, list[int]]:
     """The storage keys (as the tracker keys them) of each known tenant, for :meth:`TimelineRecorder.mark`.
+
+    The keys are those the census counts (:func:`~lightning_memtenants.core.storage.storage_keys`): a DTensor's
+    (FSDP2's sharded parameters, their gradients and their optimizer state) are its local shard's, so the timeline
+    files every storage under the tenant the phase table counts it in.
 
     Args:
         weights: the parameters and buffers.
@@ -647,17 +665,24 @@ def tenant_keys(
             split by module.
         batch: at ``batch_start``, the batch's tensors, whose storages grow with the batch
             (:attr:`StepTimeline.scaling`).
+        untenanted: tensors the census counts in no tenant though autograd may save them (FSDP2's gathered
+            parameters): never activations, so temporaries on the stack.
 
     Returns:
-        The keys by tenant, the casts' under ``CASTS`` and the batch's under ``BATCH``.
+        The keys by tenant, the casts' under ``CASTS``, the batch's under ``BATCH`` and the untenanted under
+        ``UNTENANTED``.
+
+    Raises:
+        ValueError: if a tensor has a layout whose storages cannot be counted (see ``storages_of``).
     """
     return {
-        "weights": [id(t.untyped_storage()) for t in weights if t.layout is torch.strided],
-        "gradients": [id(t.untyped_storage()) for t in gradients if t.layout is torch.strided],
-        "optimizer_state": [id(t.untyped_storage()) for t in state if t.layout is torch.strided],
+        "weights": storage_keys(weights),
+        "gradients": storage_keys(gradients),
+        "optimizer_state": storage_keys(state),
         "activations": [id(s) for s in saved],
         CASTS: [id(s) for s in casts],
-        BATCH: [id(t.untyped_storage()) for t in batch if t.layout is torch.strided],
+        BATCH: storage_keys(batch),
+        UNTENANTED: storage_keys(untenanted),
     }
 
 

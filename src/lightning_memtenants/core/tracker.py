@@ -25,6 +25,7 @@ as memory; ``count_fake`` counts fake tensors as the memory they stand for (a pr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import weakref
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from lightning_memtenants._private import (
     FakeTensor,
@@ -188,6 +190,125 @@ def _forget_in_flags(below: tuple[bool, bool, bool], above: list[TorchDispatchMo
     mode_stack.set_flags(active, non_infra, without_ignore)
 
 
+# The trackers of a model of another device that follow the user's saved-tensor hooks (see ``_offload_hooks``), and the
+# ``saved_tensors_hooks.__enter__`` we installed while any does: (ours, previous was in the class's dict, previous).
+_offloading: list[LiveTensorTracker] = []
+_hooks_installed: list[tuple[Any, bool, Any]] = []
+
+
+def _enter_wrapper(previous: Any) -> Any:
+    def __enter__(self: Any) -> Any:
+        """``saved_tensors_hooks.__enter__`` while a tracker models another device: the hooks pushed are the user's,
+        wrapped so that what their pack places on the CPU is host memory (``_offload_hooks``); checkpointing's own
+        hooks are pushed as they are."""
+        if not _offloading or getattr(self.pack_hook, "__module__", "") == "torch.utils.checkpoint":
+            return previous(self)
+        pack, unpack = self.pack_hook, self.unpack_hook
+        self.pack_hook, self.unpack_hook = _offload_hooks(pack, unpack)
+        try:
+            return previous(self)
+        finally:
+            self.pack_hook, self.unpack_hook = pack, unpack
+
+    return __enter__
+
+
+def _follow_offloads(tracker: LiveTensorTracker, on: bool) -> None:
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    if on and tracker not in _offloading:
+        if not _hooks_installed:
+            own = "__enter__" in hooks.__dict__
+            previous = hooks.__enter__
+            wrapper = _enter_wrapper(previous)
+            _hooks_installed.append((wrapper, own, previous))
+            hooks.__enter__ = wrapper  # type: ignore[method-assign]
+        _offloading.append(tracker)
+    elif not on and tracker in _offloading:
+        _offloading.remove(tracker)
+        if not _offloading and _hooks_installed:
+            wrapper, own, previous = _hooks_installed.pop()
+            if hooks.__dict__.get("__enter__") is wrapper:
+                if own:
+                    hooks.__enter__ = previous  # type: ignore[method-assign]
+                else:
+                    del hooks.__enter__
+
+
+def _offload_hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """A user's saved-tensor hooks, as a model of another device runs them (``save_on_cpu``, an offload of one's own).
+
+    In a dry run for a GPU the fake tensors stand for CUDA ones but live on the CPU, where ``tensor.cpu()`` is the
+    tensor itself: the offload would keep the device tensor alive. Inside the pack, what a call places on the CPU
+    (``.cpu()``, ``.to("cpu")``, ``.pin_memory()``, a factory given ``pin_memory`` or ``device="cpu"``) is made a
+    copy of its own, host memory (:meth:`LiveTensorTracker.is_offloaded`): in no figure of the device. The unpack's
+    tensor, where it is such a copy, is copied back: the device memory backward allocates for it.
+    """
+
+    def offloading_pack(tensor: Any) -> Any:
+        tracker = _offloading[-1] if _offloading else None
+        if tracker is None:
+            return pack(tensor)
+        with _HostCopies(tracker):
+            return pack(tensor)
+
+    def offloading_unpack(packed: Any) -> Any:
+        out = unpack(packed)
+        tracker = _offloading[-1] if _offloading else None
+        if (
+            tracker is not None
+            and isinstance(out, Tensor)
+            and out.layout is _STRIDED
+            and tracker.is_offloaded(out.untyped_storage())
+        ):
+            with torch.no_grad():
+                out = out.clone()
+        return out
+
+    offloading_pack.__wrapped__ = pack  # type: ignore[attr-defined]
+    offloading_unpack.__wrapped__ = unpack  # type: ignore[attr-defined]
+    return offloading_pack, offloading_unpack
+
+
+_HOST_METHODS = frozenset({Tensor.cpu, Tensor.pin_memory})
+_FACTORIES = frozenset(
+    {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like, torch.zeros_like, torch.ones_like}
+)
+
+
+def _names_cpu(value: Any) -> bool:
+    return (isinstance(value, str) and value.split(":")[0] == "cpu") or (
+        isinstance(value, torch.device) and value.type == "cpu"
+    )
+
+
+class _HostCopies(TorchFunctionMode):
+    """Inside a pack hook of a model of another device: what a call places on the CPU is host memory."""
+
+    def __init__(self, tracker: LiveTensorTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _HOST_METHODS or func is Tensor.to:
+            if func is Tensor.to and not any(map(_names_cpu, (*args[1:], kwargs.get("device")))):
+                return func(*args, **kwargs)
+            with self.tracker.offloading():
+                out = func(*args, **kwargs)
+                if (
+                    isinstance(out, Tensor)
+                    and out.layout is _STRIDED
+                    and not self.tracker.is_offloaded(out.untyped_storage())
+                ):
+                    with torch.no_grad():  # the CPU is the device modelled: ``.cpu()`` gave the tensor itself back
+                        out = out.clone()
+                return out
+        if func in _FACTORIES and (kwargs.get("pin_memory") is not None or _names_cpu(kwargs.get("device"))):
+            with self.tracker.offloading():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 class _Mode(TorchDispatchMode):
     """Registers what every operator returns; compiled code runs under it untraced, so Dynamo compiles as usual."""
 
@@ -234,7 +355,10 @@ class _Mode(TorchDispatchMode):
                 return out
             before = tracker._current
             try:
-                if tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
+                if tracker._hosting:  # inside a pack hook's move to the CPU, in a model of another device
+                    for tensor in tensors_in(out):
+                        tracker.host(tensor, offloaded=True)
+                elif tracker.host_ops and func.__name__ in tracker.host_ops and isinstance(out, Tensor):
                     tracker.host(out)
                 elif isinstance(out, Tensor):
                     tracker.add(out)
@@ -267,7 +391,8 @@ class LiveTensorTracker:
         scan: on the first start, find the tensors that already exist with a ``gc`` scan.
         limit_bytes: the simulated device's size in bytes; ``None`` sets no limit.
         host_ops: names of operators whose outputs stand for host memory in a model of another device;
-            their storages are never counted.
+            their storages are never counted. Such a model also follows the user's saved-tensor hooks
+            (``follow_offloads``): what their pack moves to the CPU (``save_on_cpu``) is host memory there.
         allocator: a model of a caching allocator (``malloc(key, nbytes) -> block bytes``, ``free(key)``)
             whose block sizes are counted instead of the tensors' own bytes; the difference is
             ``rounding_bytes``.
@@ -279,6 +404,9 @@ class LiveTensorTracker:
         peak_bytes: the highest ``current_bytes`` since the last start.
         rounding_bytes: what the allocator model adds above the tensors' own bytes.
         error: the first failure inside an operator; from then on the tracker only passes operators through.
+        follow_offloads: while started, wrap the saved-tensor hooks entered (``saved_tensors_hooks.__enter__``)
+            so that what a pack places on the CPU is a host copy of its own, in no figure (:meth:`is_offloaded`);
+            ``bool(host_ops)`` by default, set before the first start.
         rewrite: ``None``, or ``rewrite(func, args, kwargs, out) -> out``, called on each operator's outputs that
             can hold tensors while the tracker runs, before they are counted and returned: what a dispatch mode
             entered just below the tracker would do (a dry run's corrections of the fake kernels), without the
@@ -316,6 +444,12 @@ class LiveTensorTracker:
         # operators whose outputs stand for host memory in a model of another device, never counted
         self.host_ops = host_ops
         self._host: dict[int, weakref.ref] = {}
+        # of those host storages, the ones a saved-tensor hook moved off the device modelled (``save_on_cpu``)
+        self._offloaded: dict[int, weakref.ref] = {}
+        self._hosting = False
+        # a model of another device (``host_ops``) follows the user's saved-tensor hooks: what they move to the CPU is
+        # host memory there, in no figure (``is_offloaded``)
+        self.follow_offloads = bool(host_ops)
         self.scan = scan
         self.limit_bytes = limit_bytes
         # what the allocator model adds above the tensors' own bytes (its blocks' rounding)
@@ -400,6 +534,7 @@ class LiveTensorTracker:
             and self.limit_bytes is None
             and self.allocator is None
             and not self.host_ops
+            and not self.follow_offloads
             and not self.unseen
         )
 
@@ -456,12 +591,15 @@ class LiveTensorTracker:
             self._mode = _Mode(self)
             self._mode.__enter__()
             _follow_resizes(self, True)
+            if self.follow_offloads:
+                _follow_offloads(self, True)
 
     def pause(self) -> None:
         """Stop seeing new allocations; frees of known storages are still followed."""
         if self._mode is not None:
             mode, self._mode = self._mode, None
             _follow_resizes(self, False)
+            _follow_offloads(self, False)
             _exit_mode(mode)
 
     def stop(self) -> None:
@@ -580,17 +718,39 @@ class LiveTensorTracker:
             self.recorder.alloc(id(key), nbytes)
             self.recorder.free(id(key))
 
-    def host(self, tensor: Tensor) -> None:
+    def host(self, tensor: Tensor, offloaded: bool = False) -> None:
         """Mark the storage behind ``tensor`` as host memory: never counted, whatever op returns it later.
 
         Args:
             tensor: a strided tensor; the mark lasts as long as its storage lives.
+            offloaded: whether a saved-tensor hook moved it there (``save_on_cpu``): :meth:`is_offloaded` too.
         """
         storage = tensor.untyped_storage()
         key = id(storage)
-        host = self._host
         # the callback is C code (``host.pop(key, ref)``), which no Ctrl+C can interrupt (see the module's docstring)
-        host[key] = weakref.ref(storage, functools.partial(host.pop, key))
+        for marks in (self._host, self._offloaded) if offloaded else (self._host,):
+            marks[key] = weakref.ref(storage, functools.partial(marks.pop, key))
+
+    def is_offloaded(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is host memory a saved-tensor hook moved off the device modelled (its pack's copy).
+
+        Args:
+            storage: a storage.
+
+        Returns:
+            True for a storage marked so that is still alive.
+        """
+        ref = self._offloaded.get(id(storage))
+        return ref is not None and ref() is storage
+
+    @contextlib.contextmanager
+    def offloading(self) -> Iterator[None]:
+        """While inside, every storage an operator returns is host memory moved off the device (a pack's copy)."""
+        before, self._hosting = self._hosting, True
+        try:
+            yield
+        finally:
+            self._hosting = before
 
     def is_host(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` was marked host memory (:meth:`host`), and so is in no figure.
@@ -612,6 +772,8 @@ class LiveTensorTracker:
             return
         known = self._storages.get(key)
         nbytes = int(storage.nbytes())
+        if known is not None and known[1] - self._pad.get(key, 0) == nbytes:
+            return  # seen again as it was (a collective's output handed back): its block stays on its own stream
         if self.allocator is not None:
             if known is not None:
                 self.allocator.free(key)
