@@ -84,17 +84,17 @@ def test_cuda_source_readings_are_the_allocator_s_blocks_and_segments(sim: Simul
     temporary = u8(3 * MiB)  # 3 MiB, under 10 MiB: a block from a new 20 MiB segment
     del temporary  # freed inside the window: it sets the window's peak, and its segment stays reserved
     kept = 1024 + 4096
-    assert source.read() == Reading(kept, kept + 3 * MiB, 22 * MiB)
-    assert source.read() == Reading(kept, kept, 22 * MiB)  # the peak counter was reset for the next window
+    assert source.read() == Reading(kept, kept + 3 * MiB, 22 * MiB, 22 * MiB)
+    assert source.read() == Reading(kept, kept, 22 * MiB, 22 * MiB)  # the peak counter was reset for the next window
     # 25 MiB + 512 rounded up to 2 MiB: a new 26 MiB segment; the 1 MiB - 512 left is too small to split off in
     # the large pool (it must be over 1 MiB), so the whole segment is the block, and allocated counts it whole
     big = u8(25 * MiB + 1)
-    assert source.read() == Reading(kept + 26 * MiB, kept + 26 * MiB, 48 * MiB)
+    assert source.read() == Reading(kept + 26 * MiB, kept + 26 * MiB, 48 * MiB, 48 * MiB)
     del big
     # best fit among the free large blocks (20 and 26 MiB): the 20 MiB one, split (8 MiB left); nothing new reserved
     medium = u8(12 * MiB)
     # the window opened with ``big`` alive: the reset set the counter to what was allocated then, as CUDA's does
-    assert source.read() == Reading(kept + 12 * MiB, kept + 26 * MiB, 48 * MiB)
+    assert source.read() == Reading(kept + 12 * MiB, kept + 26 * MiB, 48 * MiB, 48 * MiB)
     assert sim.resets == 5  # at start and after each of the four reads
     assert torch.cuda.max_memory_allocated() == kept + 12 * MiB  # the counter now reads our last window
     assert source.run_peak_bytes == kept + 26 * MiB

@@ -135,11 +135,13 @@ class FakeCudaCounters:
     def __init__(self, before: int = 0) -> None:
         self.allocated = 0
         self.peak = before  # whatever the process reached before the callback started
+        self.reserved_peak = before + 512  # reserved is allocated + 512 here
         self.resets = 0
 
     def alloc(self, nbytes: int) -> None:
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.allocated + 512)
 
     def free(self, nbytes: int) -> None:
         self.allocated -= nbytes
@@ -149,11 +151,13 @@ class FakeCudaCounters:
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.allocated + 512)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.reserved_peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
 
     def reset(self, device: object = None) -> None:
         self.resets += 1
         self.peak = self.allocated
+        self.reserved_peak = self.allocated + 512
 
 
 def windows(counters: FakeCudaCounters, source: CudaSource) -> list[Reading]:
@@ -171,10 +175,11 @@ def test_cuda_window_peaks_reset_the_counter_and_keep_the_run_s_peak(monkeypatch
     counters = FakeCudaCounters(before=50_000)  # the user's own code peaked at 50 kB before fit
     counters.install(monkeypatch)
     source = CudaSource("cuda:0")
+    # the same reset clears max_memory_reserved: each window's reserved peak is read before it
     assert windows(counters, source) == [
-        Reading(0, 10_000, 512),
-        Reading(1_000, 1_000, 1_512),
-        Reading(1_000, 4_000, 1_512),
+        Reading(0, 10_000, 512, 10_512),
+        Reading(1_000, 1_000, 1_512, 1_512),
+        Reading(1_000, 4_000, 1_512, 4_512),
     ]
     assert counters.resets == 4  # at start and after each window: max_memory_allocated() now reads our last window
     assert torch.cuda.max_memory_allocated() == 1_000

@@ -41,7 +41,8 @@ TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 RUN = "seed_mlp/version_0"
 SEED_FIXED = 402_800_664
 BUDGET = 1024 * MiB
-CUDA_ONLY = {"memtenants/reserved_MiB", "memtenants/fragmentation_MiB"}  # need an allocator that reserves
+# need an allocator that reserves
+CUDA_ONLY = {"memtenants/reserved_MiB", "memtenants/fragmentation_MiB", "memtenants/peak_reserved_MiB"}
 # logged only under mixed precision, a GradScaler or DDP (tests/test_matrix.py checks them)
 CONDITIONAL = {f"memtenants/part/{name}_MiB" for name in PARTS}
 

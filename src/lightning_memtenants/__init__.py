@@ -33,7 +33,9 @@ from lightning_memtenants.lightning.callback import MemoryTenantsCallback
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Part, Phase, Tenant
 from lightning_memtenants.predict.advise import Advice, MeasuredFix, advise
+from lightning_memtenants.predict.allocator import AllocatorSettings, CachingAllocatorModel
 from lightning_memtenants.predict.dryrun import Prediction, dry_run, largest_batch_size, predict, sweep
+from lightning_memtenants.predict.footprint import DeviceFootprint, device_footprint
 from lightning_memtenants.predict.transformer import ActivationCheck, activation_check, korthikanti_bytes
 from lightning_memtenants.render.table import format_table, summary_markdown
 from lightning_memtenants.units import parse_bytes
@@ -46,7 +48,10 @@ __all__ = [
     "ActivationCheck",
     "ActivationTracker",
     "Advice",
+    "AllocatorSettings",
+    "CachingAllocatorModel",
     "CudaSource",
+    "DeviceFootprint",
     "FixedCost",
     "GraphCounts",
     "LeakDetector",
@@ -71,6 +76,7 @@ __all__ = [
     "advise",
     "deepspeed_estimator_bytes",
     "deepspeed_zero_bytes",
+    "device_footprint",
     "dry_run",
     "expected_fixed_cost",
     "explain_fixed_cost",

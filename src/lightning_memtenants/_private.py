@@ -38,6 +38,7 @@ __all__ = [
     "dtensor_caches_cleared",
     "dump_snapshot",
     "fake_process_group",
+    "fsdp_comm_streams",
     "global_modes",
     "hidden_from_function_modes",
     "inner_tensors",
@@ -115,6 +116,36 @@ def fsdp_pairs(params: Sequence[Any]) -> list[tuple[Tensor, Tensor | None]]:
         ``(sharded, gathered)`` pairs in the same order.
     """
     return [(param.sharded_param, getattr(param, "_unsharded_param", None)) for param in params]
+
+
+# FSDP2's streams, by the attribute of its shared communication context (``FSDPCommContext``) that holds each.
+FSDP_STREAMS = ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream")
+
+
+def fsdp_comm_streams(module: torch.nn.Module) -> dict[str, Any]:
+    """The streams FSDP2 runs its collectives' copies on under ``module``, by attribute name, to name them in notes.
+
+    FSDP2 makes them in its communication context (``_get_fsdp_state()._comm_ctx``, private) at its lazy init; no
+    public API names them.
+
+    Args:
+        module: any module.
+
+    Returns:
+        ``{attribute: stream}`` for each of :data:`FSDP_STREAMS` that FSDP2 made; empty where it shards nothing or
+        has not run yet.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return {}
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            context = getattr(unit._get_fsdp_state(), "_comm_ctx", None)
+            found = {name: getattr(context, name) for name in FSDP_STREAMS if hasattr(context, name)}
+            if found:
+                return found
+    return {}
 
 
 def inner_tensors(tensor: Tensor) -> Iterator[Tensor]:

@@ -4,6 +4,7 @@ Example::
 
     memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --seq-len 512 --precision bf16-mixed --budget 24GiB
     memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --target A6000
+    memtenants predict examples/gpt.py:TinyGPT --batch-size 8 --target H100 --allocator expandable_segments:True
     memtenants predict examples/seed_mlp.py:SeedMLP --input-shape 2048,1024 --json - | jq .report.peak_bytes
 
 The target names a file or module and a class (or a function building the model). The batch comes from
@@ -33,9 +34,11 @@ from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
 from lightning_memtenants.predict.advise import Advice, advise
+from lightning_memtenants.predict.allocator import AllocatorSettings
 from lightning_memtenants.predict.cuda_model import TARGET_HELP, CudaTarget, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
 from lightning_memtenants.predict.fake import PRECISIONS
+from lightning_memtenants.predict.footprint import DeviceFootprint
 from lightning_memtenants.predict.routing import parse_routing
 from lightning_memtenants.predict.values import is_unknown_value
 from lightning_memtenants.render.table import fits_text, format_table
@@ -149,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         " line says which GPU was assumed",
     )
     run.add_argument(
+        "--allocator",
+        default=None,
+        metavar="CONF",
+        help="the CUDA caching allocator's settings for a GPU --target, in PYTORCH_CUDA_ALLOC_CONF's syntax, e.g."
+        " expandable_segments:True or max_split_size_mb:512,garbage_collection_threshold:0.8 (default: none, read"
+        " from the environment's PYTORCH_CUDA_ALLOC_CONF, as torch does)",
+    )
+    run.add_argument(
         "--gpu",
         default=None,
         help="deprecated, to be removed in the next release: write --target A6000 instead (default: none)",
@@ -254,6 +265,7 @@ def _predict(args: argparse.Namespace) -> int:
     batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
     target, device, gpu = _device(args.device, args.gpu)
     gpu_target = resolve_target(target)
+    _check_allocator(args.allocator, gpu_target)
     json_path = _output_path(args.json, "--json")
     snapshot_path = _output_path(args.snapshot, "--snapshot")
     out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout holds the JSON alone
@@ -266,6 +278,8 @@ def _predict(args: argparse.Namespace) -> int:
         )
     options: PredictOptions = {"precision": args.precision, "steps": args.steps, "target": target}
     options["routing"] = args.routing
+    if args.allocator is not None:
+        options["allocator"] = args.allocator
     if args.strategy is not None:
         options = {**options, "strategy": args.strategy, "world_size": args.world_size}
         if args.tensor_parallel > 1:
@@ -274,8 +288,10 @@ def _predict(args: argparse.Namespace) -> int:
     report = prediction.report
     print(_header(args, batch_size, shapes, gpu_target), file=out)
     print(format_table(report), file=out)  # the report's notes include the prediction's own
+    if prediction.footprint is not None:
+        print(_footprint_text(prediction.footprint), file=out)
     if args.strategy is not None:
-        print(_ranks_text(prediction.ranks), file=out)
+        print(_ranks_text(prediction.ranks, prediction.footprints), file=out)
     largest = None
     if budget is not None:
         # the steady state must fit (the optimizer state and the previous gradients resident), whatever --steps shows
@@ -298,6 +314,9 @@ def _predict(args: argparse.Namespace) -> int:
             "margin": args.margin,
             "limit_bytes": None if budget is None else Budget(budget, args.margin).limit_bytes,
             "largest_batch_size": largest,
+            "allocator": args.allocator,
+            "reserved_by_stream_bytes": prediction.reserved_by_stream_bytes,
+            "footprint": _footprint_dict(prediction.footprint),
             "notes": prediction.notes,
             "report": report.to_dict(),
         }
@@ -306,7 +325,14 @@ def _predict(args: argparse.Namespace) -> int:
             document["world_size"] = args.world_size
             document["tensor_parallel"] = args.tensor_parallel
             document["ranks"] = [
-                {"rank": rank, "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase, "tenants_bytes": r.tenants_bytes}
+                {
+                    "rank": rank,
+                    "peak_bytes": r.peak_bytes,
+                    "peak_reserved_bytes": r.peak_reserved_bytes,
+                    "peak_phase": r.peak_phase,
+                    "tenants_bytes": r.tenants_bytes,
+                    "footprint": _footprint_dict(prediction.footprints[rank] if prediction.footprints else None),
+                }
                 for rank, r in enumerate(prediction.ranks)
             ]
         _write_json(document, json_path)
@@ -342,8 +368,9 @@ def _write_json(document: dict[str, Any], path: Path | None) -> None:
         raise UsageError(f"--json: cannot write {path}: {error.strerror or error}") from None
 
 
-def _ranks_text(ranks: Sequence[Any]) -> str:
-    """One line per group of ranks that hold the same: their peak and their tenants' high-water marks, in MiB."""
+def _ranks_text(ranks: Sequence[Any], footprints: Sequence[DeviceFootprint] = ()) -> str:
+    """One line per group of ranks that hold the same: their peaks (allocated, reserved, and what nvidia-smi will
+    show, for a GPU) and their tenants' high-water marks, in MiB."""
     lines = ["per rank (ranks that hold the same are one line):"]
     start = 0
     for rank in range(1, len(ranks) + 1):
@@ -351,9 +378,58 @@ def _ranks_text(ranks: Sequence[Any]) -> str:
             who = f"rank {start}" if rank - start == 1 else f"ranks {start}-{rank - 1}"
             r = ranks[start]
             tenants = ", ".join(f"{name} {value / MiB:,.2f}" for name, value in r.tenants_bytes.items())
-            lines.append(f"  {who}: peak {(r.peak_bytes or 0) / MiB:,.2f} MiB at {r.peak_phase}; {tenants} (MiB)")
+            reserved = (
+                "" if r.peak_reserved_bytes is None else f", peak reserved {r.peak_reserved_bytes / MiB:,.2f} MiB"
+            )
+            if footprints:
+                reserved += f", nvidia-smi {footprints[start].total_bytes / MiB:,.2f} MiB"
+            lines.append(
+                f"  {who}: peak {(r.peak_bytes or 0) / MiB:,.2f} MiB at {r.peak_phase}{reserved}; {tenants} (MiB)"
+            )
             start = rank
     return "\n".join(lines)
+
+
+def _footprint_text(footprint: DeviceFootprint) -> str:
+    """What nvidia-smi will show (rank 0's under a strategy), its three parts, and what each assumes."""
+    parts = (
+        f"reserved peak {footprint.reserved_peak_bytes / MiB:,.2f} + CUDA context {footprint.context_bytes / MiB:,.2f}"
+        f" + NCCL {footprint.nccl_bytes / MiB:,.2f}"
+    )
+    lines = [f"nvidia-smi will show about {footprint.total_bytes / MiB:,.2f} MiB: {parts} (MiB)"]
+    return "\n".join([*lines, *(f"  - {note}" for note in footprint.notes)])
+
+
+def _footprint_dict(footprint: DeviceFootprint | None) -> dict[str, Any] | None:
+    """The footprint's parts, their sum and its notes, as JSON types; None for the CPU."""
+    if footprint is None:
+        return None
+    return {
+        "reserved_peak_bytes": footprint.reserved_peak_bytes,
+        "context_bytes": footprint.context_bytes,
+        "nccl_bytes": footprint.nccl_bytes,
+        "total_bytes": footprint.total_bytes,
+        "notes": list(footprint.notes),
+    }
+
+
+def _check_allocator(allocator: str | None, gpu: CudaTarget | None) -> None:
+    """``--allocator`` checked before any dry run: settings torch accepts, for a GPU target.
+
+    Raises:
+        UsageError: naming ``--allocator``: given for the CPU, or not in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax.
+    """
+    if allocator is None:
+        return
+    if gpu is None:
+        raise UsageError(
+            f"--allocator applies to a GPU target (--target H100, --target cuda...), got --allocator {allocator}"
+            " for the CPU"
+        )
+    try:
+        AllocatorSettings.parse(allocator, "--allocator")
+    except ValueError as error:
+        raise UsageError(str(error).replace("\n", " ")) from None
 
 
 def _init_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -658,7 +734,7 @@ def _positive(text: str) -> int:
 # -- memtenants advise: the fixes for a budget, measured by dry runs ---------------------------------------------
 
 # The options ``advise`` shares with ``predict``: the model, its batch, the precision and the device.
-_SHARED = ("target", "batch_size", "seq_len", "input_shape", "precision", "init", "device")
+_SHARED = ("target", "batch_size", "seq_len", "input_shape", "precision", "init", "device", "allocator")
 
 
 def _add_advise(commands: Any, predict: argparse.ArgumentParser) -> None:
@@ -720,6 +796,7 @@ def _advise(args: argparse.Namespace) -> int:
     batch_size = _batch_size(args.batch_size, args.seq_len, shapes)
     target, device, _ = _device(args.device, None)
     gpu_target = resolve_target(target)
+    _check_allocator(args.allocator, gpu_target)
     json_path = _output_path(args.json, "--json")
     out = sys.stderr if args.json == "-" else sys.stdout
     build, make_batch = _model_source(args, init, shapes)
@@ -728,6 +805,8 @@ def _advise(args: argparse.Namespace) -> int:
         "target": target,
         "accumulate_grad_batches": args.accumulate_grad_batches,
     }
+    if args.allocator is not None:
+        options["allocator"] = args.allocator
     advice: Advice = _run_step(
         lambda: advise(
             build,
@@ -764,6 +843,7 @@ def _advise(args: argparse.Namespace) -> int:
             **_step_fields(args, batch_size, shapes, device),
             "gpu": None if gpu_target is None else gpu_target.name,
             "accumulate_grad_batches": args.accumulate_grad_batches,
+            "allocator": args.allocator,
             "fsdp_ranks": list(args.fsdp_ranks or ()),
             "budget_bytes": budget,
             "margin": args.margin,

@@ -158,6 +158,7 @@ class TenantMonitor:
         self._tracker = ActivationTracker(self.device.type)
         if isinstance(source, TrackerSource):  # the tenants and the totals agree on what is host memory
             self._tracker.host_memory = source.tracker.is_host
+            self._tracker.offloaded_memory = source.tracker.is_offloaded
         self._counter = TenantCounter(module, self.optimizers, host_state)
         self._tracker.params = self._counter.param_ids()
         self._tracker.params_of = self._counter.param_ids
@@ -351,6 +352,7 @@ class TenantMonitor:
             reading.window_peak_bytes,
             reading.reserved_bytes,
             parts_bytes=self._read_parts(),
+            reserved_peak_bytes=reading.reserved_peak_bytes,
         )
         self._batches.counted_phase(name, report, reading)
         self._last = report
@@ -556,6 +558,7 @@ class TenantMonitor:
                 reading.window_peak_bytes,
                 reading.reserved_bytes,
                 report.parts_bytes,
+                reading.reserved_peak_bytes,
             )
             now = compared(name, reading)
             if counted.reading is not None and now != counted.reading and not self._batches.count_next:
@@ -601,6 +604,7 @@ class TenantMonitor:
             saved,
             [storage for storage in casts if storage is not None],
             batch_tensors(batch) if batch is not None else (),
+            self._counter.untenanted(),
         )
         self._recorder.mark(name, keys)
 

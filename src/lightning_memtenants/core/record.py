@@ -25,6 +25,8 @@ class GraphCounts:
         opaque: of those, the ones packed into objects that hold no tensor (not countable).
         offloaded_bytes: bytes the user's hooks moved to another device (``save_on_cpu``).
         compiled: whether ``torch.compile``'d code made part of the graph.
+        selective_regions: of the checkpointed regions, those whose selective checkpointing policy cached outputs
+            (``create_selective_checkpoint_contexts``): their cache is counted as activations.
     """
 
     checkpointed_regions: int = 0
@@ -32,6 +34,7 @@ class GraphCounts:
     opaque: int = 0
     offloaded_bytes: int = 0
     compiled: bool = False
+    selective_regions: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class PhaseReport:
         window_peak_bytes: the peak of the window that ends here; None where not measured.
         reserved_bytes: what the allocator held from the device; None where not measured.
         parts_bytes: the named parts outside the tenants (``names.PARTS``) that were measured here.
+        reserved_peak_bytes: the highest ``reserved_bytes`` of the window that ends here (``max_memory_reserved``
+            since the previous boundary); None where not measured (a source that does not reset its peak counters).
     """
 
     name: Phase
@@ -55,6 +60,7 @@ class PhaseReport:
     window_peak_bytes: int | None = None
     reserved_bytes: int | None = None
     parts_bytes: dict[Part, int] = field(default_factory=dict)
+    reserved_peak_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -77,7 +83,9 @@ class PhaseReport:
 
     def unmeasured(self) -> PhaseReport:
         """The same tenants with the memory source's figures dropped (readings that cannot be trusted)."""
-        return replace(self, allocated_bytes=None, window_peak_bytes=None, reserved_bytes=None)
+        return replace(
+            self, allocated_bytes=None, window_peak_bytes=None, reserved_bytes=None, reserved_peak_bytes=None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Every field and the computed ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``, as JSON types.
@@ -111,6 +119,7 @@ class PhaseReport:
                 window_peak_bytes=_int_or_none(data.get("window_peak_bytes")),
                 reserved_bytes=_int_or_none(data.get("reserved_bytes")),
                 parts_bytes={k: int(v) for k, v in (data.get("parts_bytes") or {}).items()},
+                reserved_peak_bytes=_int_or_none(data.get("reserved_peak_bytes")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"data must be a dict written by PhaseReport.to_dict(): {error!r}") from None
@@ -197,6 +206,22 @@ class StepReport:
         return out
 
     @property
+    def peak_reserved_bytes(self) -> int | None:
+        """The step's highest reserved bytes (``max_memory_reserved`` over the step), beside ``peak_bytes``.
+
+        The highest window peak of reserved bytes over every micro-batch's phases; at ``batch_start``, whose window
+        spans the time between steps, the reserved bytes there, as ``peak_bytes`` reads it. None where no phase
+        measured it (the CPU; a CUDA source that leaves the peak counters to the rest of the process).
+        """
+        values = []
+        for batch_phases in self.micro_batches or [self.phases]:
+            for name, phase in batch_phases.items():
+                value = phase.reserved_bytes if name == "batch_start" else phase.reserved_peak_bytes
+                if value is not None and phase.reserved_peak_bytes is not None:
+                    values.append(value)
+        return max(values) if values else None
+
+    @property
     def fixed_deviation_bytes(self) -> int | None:
         """Measured minus expected fixed cost; None where the formula did not run."""
         return None if self.expected_fixed_bytes is None else self.measured_fixed_bytes - self.expected_fixed_bytes
@@ -225,8 +250,9 @@ class StepReport:
     def to_dict(self) -> dict[str, Any]:
         """Every field and the computed ones, as JSON types: what the CLI's JSON and the postmortem carry.
 
-        The computed fields are ``parts_bytes``, ``tenant_sum_bytes``, ``peak_minus_sum_bytes``, ``other_bytes``
-        and ``fixed_deviation_bytes``, and per phase ``total_bytes``, ``other_bytes`` and ``fragmentation_bytes``.
+        The computed fields are ``parts_bytes``, ``tenant_sum_bytes``, ``peak_minus_sum_bytes``, ``other_bytes``,
+        ``fixed_deviation_bytes`` and ``peak_reserved_bytes``, and per phase ``total_bytes``, ``other_bytes`` and
+        ``fragmentation_bytes``.
 
         Returns:
             A dict that :meth:`from_dict` reads back.
@@ -246,6 +272,7 @@ class StepReport:
         out["peak_minus_sum_bytes"] = self.peak_minus_sum_bytes
         out["other_bytes"] = self.other_bytes
         out["fixed_deviation_bytes"] = self.fixed_deviation_bytes
+        out["peak_reserved_bytes"] = self.peak_reserved_bytes
         return out
 
     @classmethod

@@ -26,11 +26,14 @@ class Reading:
         allocated_bytes: the bytes allocated now.
         window_peak_bytes: the highest allocated bytes since the previous reading.
         reserved_bytes: what the allocator holds from the device, allocated or not.
+        reserved_peak_bytes: the highest reserved bytes since the previous reading (``max_memory_reserved``), where
+            the source resets its peak counters at each reading.
     """
 
     allocated_bytes: int | None = None
     window_peak_bytes: int | None = None
     reserved_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
 
 
 class MemorySource:
@@ -129,6 +132,10 @@ class _PeakCounters(MemorySource):
         """(allocated, max allocated, reserved) now, or None where the device is absent."""
         raise NotImplementedError
 
+    def _reserved_peak(self) -> int | None:
+        """The peak counter of reserved bytes (``max_memory_reserved``), where the device has one."""
+        return None
+
     def _reset(self) -> None:
         raise NotImplementedError
 
@@ -155,14 +162,19 @@ class _PeakCounters(MemorySource):
         if counters is None:
             return Reading()
         allocated, peak, reserved = counters
+        reserved_peak = None
         if self.reset_peaks:
             window: int | None = max(peak, allocated)
+            # the same reset clears the reserved peak: read it first (nothing else is reset for it)
+            reserved_peak = self._reserved_peak()
+            if reserved_peak is not None and reserved is not None:
+                reserved_peak = max(reserved_peak, reserved)
             self._reset()
         else:
             window = peak if peak > self._last_max else None
             self._last_max = max(self._last_max, peak)
         self._saw(window if window is not None else allocated)
-        return Reading(allocated, window, reserved)
+        return Reading(allocated, window, reserved, reserved_peak)
 
     @property
     def _how(self) -> str:
@@ -171,6 +183,9 @@ class _PeakCounters(MemorySource):
 
 class CudaSource(_PeakCounters):
     """The CUDA caching allocator's counters: ``memory_allocated`` and a peak per window.
+
+    ``memory_reserved`` is read at each boundary, and, where the peak counters are reset there, the window's
+    ``max_memory_reserved`` too (``reset_peak_memory_stats`` resets both; nothing else is reset for it).
 
     Args:
         device: the CUDA device; ``None`` is the current one.
@@ -207,6 +222,9 @@ class CudaSource(_PeakCounters):
         allocated = int(torch.cuda.memory_allocated(self.device))
         peak = int(torch.cuda.max_memory_allocated(self.device))
         return allocated, peak, int(torch.cuda.memory_reserved(self.device))
+
+    def _reserved_peak(self) -> int | None:
+        return int(torch.cuda.max_memory_reserved(self.device))
 
     def _reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -344,9 +362,12 @@ class TrackerSource(MemorySource):
             ValueError: if a tensor's layout cannot be counted (see ``storages_of``).
         """
         self.tracker.start(roots)
+        allocator = self.tracker.allocator
+        if allocator is not None and hasattr(allocator, "reset_peak"):  # a window opens: its reserved peak too
+            allocator.reset_peak()
 
     def read(self) -> Reading:
-        """The tracker's current bytes and window peak (and the allocator model's reserved bytes).
+        """The tracker's current bytes and window peak (and the allocator model's reserved bytes and their peak).
 
         Returns:
             The reading; every figure is None while the tracker is paused.
@@ -358,10 +379,15 @@ class TrackerSource(MemorySource):
             raise RuntimeError(f"the tracker failed inside an operator: {self.tracker.error!r}")
         if not self.tracker.active:
             return Reading()
-        allocated, peak = self.tracker.read()
+        allocated, peak = self.tracker.read()  # the frees it held back reach the allocator model first
         self._saw(peak)
         allocator = self.tracker.allocator
-        return Reading(allocated, peak, allocator.reserved_bytes if allocator is not None else None)
+        if allocator is None:
+            return Reading(allocated, peak)
+        reserved_peak = getattr(allocator, "reserved_peak_bytes", None)
+        if reserved_peak is not None:
+            allocator.reset_peak()  # the next window starts from what is reserved now
+        return Reading(allocated, peak, allocator.reserved_bytes, reserved_peak)
 
     def pause(self) -> None:
         """Pause the tracker: the per-operator cost stops until the next start."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +33,11 @@ from lightning_memtenants.analysis.engines import ddp_notes_and_part, sharding_n
 from lightning_memtenants.analysis.forecast import UNBOUNDED, PeakForecast, limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.record import StepReport
-from lightning_memtenants.core.sources import TrackerSource
+from lightning_memtenants.core.sources import Reading, TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
 from lightning_memtenants.core.timeline import StepTimeline, timeline_of
 from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
+from lightning_memtenants.predict.allocator import AllocatorSettings, CachingAllocatorModel
 from lightning_memtenants.predict.cluster import (
     Parallel,
     StepModule,
@@ -59,7 +61,6 @@ from lightning_memtenants.predict.cuda_kernels import (
 from lightning_memtenants.predict.cuda_model import (
     HOST_OPS,
     OUTSIDE_ALLOCATOR,
-    CachingAllocatorModel,
     CublasWorkspaces,
     CudaTarget,
     cuda_optimizer_defaults,
@@ -78,8 +79,16 @@ from lightning_memtenants.predict.fake import (
     preserved_globals,
     preserving_globals,
 )
+from lightning_memtenants.predict.footprint import DeviceFootprint, device_footprint
 from lightning_memtenants.predict.kernels import CpuKernels, cpu_kernels
 from lightning_memtenants.predict.routing import Routing, check_routing
+from lightning_memtenants.predict.streams import (
+    RoutedStreams,
+    cuda_streams_routed,
+    current_stream,
+    reserved_by_stream_bytes,
+    streams_note,
+)
 from lightning_memtenants.predict.values import RANDOM_ELEMENTS, KnownValues, unknown_value_error, unknown_value_in
 from lightning_memtenants.units import parse_bytes
 
@@ -90,8 +99,9 @@ ModelArg = nn.Module | Callable[[], nn.Module]
 
 # What a cluster's prediction leaves out, or models, of the backend its collectives run on.
 NCCL_NOTE = (
-    "NCCL's own buffers are not in this prediction: its communicators allocate their channels outside PyTorch's"
-    " caching allocator (often a few hundred MiB a process, set by NCCL_BUFFSIZE and the channel count)"
+    "NCCL's own buffers are in no figure of the report: its communicators allocate their channels outside PyTorch's"
+    " caching allocator (often a few hundred MiB a process, set by NCCL_BUFFSIZE and the channel count); the"
+    " prediction's footprint, what nvidia-smi will show, estimates them from NCCL's defaults"
 )
 GLOO_NOTE = (
     "collectives are modelled as gloo runs them on the CPU: a reduce-scatter copies its whole input while it runs;"
@@ -137,6 +147,11 @@ class PredictOptions(TypedDict, total=False):
             or a ``Routing``; see ``lightning_memtenants.predict.routing``. A report whose shapes followed it says
             so in its notes. Random draws in the step of up to 1,024 elements (LayerDrop's) are drawn for real,
             under ``torch.random.fork_rng``.
+        allocator: the CUDA caching allocator's settings for a GPU target: a ``PYTORCH_CUDA_ALLOC_CONF`` string
+            (``"expandable_segments:True"``, ``"max_split_size_mb:512,garbage_collection_threshold:0.8"``) or an
+            ``AllocatorSettings``; ``None`` (the default) reads them from the environment (``PYTORCH_ALLOC_CONF``,
+            else ``PYTORCH_CUDA_ALLOC_CONF``), as torch does. The notes say which settings were assumed. Given with
+            ``target="cpu"`` it is refused: it applies to a GPU target.
     """
 
     loss_fn: Callable[[nn.Module, Any], Tensor] | None
@@ -150,6 +165,7 @@ class PredictOptions(TypedDict, total=False):
     world_size: int
     tensor_parallel: int
     routing: Any
+    allocator: str | AllocatorSettings | None
 
 
 DEFAULTS: PredictOptions = {
@@ -164,6 +180,7 @@ DEFAULTS: PredictOptions = {
     "world_size": 1,
     "tensor_parallel": 1,
     "routing": "balanced",
+    "allocator": None,
 }
 
 
@@ -182,6 +199,13 @@ class Prediction:
         notes: what the prediction assumed, also in every report's notes.
         ranks: under a ``strategy``, every rank's last report, in rank order (``reports`` are rank 0's); else the
             last report alone.
+        reserved_by_stream_bytes: for a GPU target, what the caching allocator's pool of each stream reserved at the
+            end of the last step, by the stream's name (``"default"``, ``"FSDP all-gather copy-in"``,
+            ``"FSDP reduce-scatter"``, ``"side stream 1"``...), rank 0's under a strategy; empty for the CPU.
+        footprint: for a GPU target, what nvidia-smi will show for the last step (rank 0's under a strategy): the
+            reserved peak, the CUDA context and NCCL's buffers, and their sum (``total_bytes``); None for the CPU.
+        footprints: for a GPU target, each rank's, in rank order (the ranks that hold the same share one); empty
+            for the CPU.
     """
 
     reports: list[StepReport]
@@ -190,6 +214,9 @@ class Prediction:
     batch_size: int
     notes: list[str] = field(default_factory=list)
     ranks: list[StepReport] = field(default_factory=list)
+    reserved_by_stream_bytes: dict[str, int] = field(default_factory=dict)
+    footprint: DeviceFootprint | None = None
+    footprints: list[DeviceFootprint] = field(default_factory=list)
 
     @property
     def report(self) -> StepReport:
@@ -317,7 +344,7 @@ def _dry_run(
     if parallel is None:
         only = _one_rank(model, batch, settings, timeline, prepare, None).prediction
         only.ranks = [only.report]
-        return only
+        return _with_footprints(only, settings)
     first = _one_rank(model, batch, settings, timeline, prepare, _Rank(parallel, 0))
     assert first.classes is not None
     by_rank: dict[int, StepReport] = {}
@@ -328,6 +355,21 @@ def _dry_run(
             by_rank[rank] = done.prediction.report
     prediction = first.prediction
     prediction.ranks = [by_rank[rank] for rank in range(parallel.world_size)]
+    return _with_footprints(prediction, settings)
+
+
+def _with_footprints(prediction: Prediction, settings: _Settings) -> Prediction:
+    """For a GPU target, what nvidia-smi will show on each rank (each class of ranks computed once)."""
+    if settings.gpu is None:
+        return prediction
+    parallel = settings.parallel
+    world_size, strategy = (1, None) if parallel is None else (parallel.world_size, parallel.strategy)
+    found: dict[int, DeviceFootprint] = {}
+    for report in prediction.ranks:
+        if id(report) not in found:
+            found[id(report)] = device_footprint(report, settings.gpu, world_size=world_size, strategy=strategy)
+    prediction.footprints = [found[id(report)] for report in prediction.ranks]
+    prediction.footprint = prediction.footprints[0]
     return prediction
 
 
@@ -359,8 +401,12 @@ def _one_rank(
         if rank is None
         else fake_group(rank.parallel.world_size, rank.rank, rank.parallel.tensor_parallel)
     )
-    with group as mesh:
-        return _run(model, batch, settings, timeline, prepare, rank, mesh)
+    # for a GPU, the allocator model follows the stream of each allocation: FSDP2's, and the step's own torch.cuda
+    # streams, routed to the CPU's stream stubs for this dry run only
+    allocator = _allocator_model(settings.allocator) if settings.gpu is not None else None
+    streams: Any = contextlib.nullcontext() if allocator is None else cuda_streams_routed(allocator)
+    with group as mesh, streams as routes:
+        return _run(model, batch, settings, timeline, prepare, rank, mesh, allocator, routes)
 
 
 def _run(
@@ -371,8 +417,10 @@ def _run(
     prepare: Callable[[nn.Module], None] | None,
     rank: _Rank | None,
     mesh: Any,
+    allocator: CachingAllocatorModel | None = None,
+    routes: RoutedStreams | None = None,
 ) -> _RankRun:
-    """:func:`_one_rank`'s body, inside the fake group where there is one."""
+    """:func:`_one_rank`'s body, inside the fake group where there is one (and the routed streams, for a GPU)."""
     loss_fn, optimizer, precision, gpu_target = settings.loss_fn, settings.optimizer, settings.precision, settings.gpu
     notes: list[str] = []
     if precision == "16-mixed" and gpu_target is None:
@@ -405,9 +453,16 @@ def _run(
             source = TrackerSource("cpu", scan=False, count_fake=True)
         else:  # CUDA modelled on the CPU: fake CUDA tensors cannot go through autograd on a CPU-only build
             label = f"predicted for CUDA ({gpu_target.name}): fake tensors and a model of the caching allocator"
-            source = TrackerSource(
-                "cpu", scan=False, host_ops=HOST_OPS, label=label, allocator=CachingAllocatorModel(), count_fake=True
+            assert allocator is not None and routes is not None, "a GPU target has its allocator model"
+            source = _PredictedCuda(
+                "cpu",
+                scan=False,
+                host_ops=HOST_OPS,
+                label=label,
+                allocator=allocator,
+                count_fake=True,
             )
+            routes.settle = source.tracker.settle  # a synchronize in the step sees the frees made before it
         # the dry run runs torch.compile'd parts eagerly (below), so the tracker sees every allocation
         source.sees_compiled_code = True
         if holds_compiled_code(fake):
@@ -431,6 +486,7 @@ def _run(
             )
             for opt in optimizers:
                 notes.extend(cuda_optimizer_defaults(opt))
+            notes.append(_allocator_note(settings))
             notes.append(OUTSIDE_ALLOCATOR)
         if rank is not None:
             notes.extend(sharding_notes(fake, rank.parallel.world_size))
@@ -492,7 +548,46 @@ def _run(
         notes.append(note)
         for report in reports:
             report.notes.append(note)
-    return _RankRun(Prediction(reports, elements, batch_bytes, _leading_size(faked), notes), classes)
+    by_stream: dict[str, int] = {}
+    if allocator is not None:
+        assert routes is not None, "a GPU target's streams are routed"
+        by_stream = reserved_by_stream_bytes(allocator, fake, routes.default)
+        note = streams_note(by_stream)
+        notes.append(note)
+        for report in reports:
+            report.notes.append(note)
+    prediction = Prediction(reports, elements, batch_bytes, _leading_size(faked), notes)
+    prediction.reserved_by_stream_bytes = by_stream
+    return _RankRun(prediction, classes)
+
+
+def _allocator_note(settings: _Settings) -> str:
+    """The notes' sentence on the caching allocator's settings assumed, and where they came from."""
+    assert settings.allocator is not None, "a GPU target has its allocator settings"
+    note = (
+        f"allocator settings assumed: {settings.allocator.describe()} ({settings.allocator_from}); every"
+        " allocation in the pool of the stream it was made on, and the events of blocks used on other streams"
+        " taken as complete at each phase boundary and at the step's own synchronize calls"
+    )
+    if settings.allocator.gc_active:
+        note += "; garbage_collection_threshold is not applied: a dry run does not know the GPU's memory"
+    return note
+
+
+class _PredictedCuda(TrackerSource):
+    """The tracker as the source of a GPU-target dry run, the allocator model's events completed at each boundary.
+
+    The GPU is taken to have caught up with the host at each of the callback's phase boundaries: a block freed
+    after ``record_stream`` on another stream is free again for its own stream's next window.
+    """
+
+    def read(self) -> Reading:
+        """The tracker's reading (:meth:`TrackerSource.read`), then the allocator model's events completed."""
+        reading = super().read()
+        allocator = self.tracker.allocator
+        if allocator is not None and reading.allocated_bytes is not None:
+            allocator.synchronize()
+        return reading
 
 
 # DTensor's refusal of an operator given a DTensor and a plain tensor, as a real FSDP2 run raises it
@@ -811,6 +906,8 @@ class _Settings:
     parallel: Parallel | None = None
     accumulate: int = 1  # micro-batches per optimizer step (``accumulate_grad_batches``)
     routing: Routing = field(default_factory=Routing)  # the routing assumed for a router's unknown choice
+    allocator: AllocatorSettings | None = None  # the caching allocator's settings, for a GPU target
+    allocator_from: str = ""  # where they came from, for the notes
 
 
 def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
@@ -838,9 +935,63 @@ def _settings(model: Any, batch: Any, options: PredictOptions) -> _Settings:
         raise ValueError("batch must be tensors, shapes (torch.Size or meta tensors) or a callable, got None")
     parallel = parallel_of(given["strategy"], given["world_size"], given["tensor_parallel"])
     routing = check_routing(given["routing"])
+    allocator, allocator_from = _allocator_settings(given["allocator"], gpu)
     return _Settings(
-        loss_fn, optimizer, precision, steps, gpu, accumulate=accumulate, parallel=parallel, routing=routing
+        loss_fn,
+        optimizer,
+        precision,
+        steps,
+        gpu,
+        accumulate=accumulate,
+        parallel=parallel,
+        routing=routing,
+        allocator=allocator,
+        allocator_from=allocator_from,
     )
+
+
+ALLOCATOR_HELP = (
+    "a PYTORCH_CUDA_ALLOC_CONF string such as 'expandable_segments:True' or"
+    " 'max_split_size_mb:512,roundup_power2_divisions:4,garbage_collection_threshold:0.8', an AllocatorSettings, or"
+    " None to read the environment"
+)
+
+
+def _allocator_settings(allocator: Any, gpu: CudaTarget | None) -> tuple[AllocatorSettings | None, str]:
+    """The caching allocator's settings for a GPU target, and where they came from; none for the CPU.
+
+    Raises:
+        ValueError: naming ``allocator``: a setting given for the CPU, or not a string nor an ``AllocatorSettings``,
+            or a string ``AllocatorSettings.parse`` refuses.
+    """
+    if allocator is not None and gpu is None:
+        raise ValueError(
+            f"allocator applies to a GPU target (target='H100', 'cuda'...), got allocator={brief(allocator)} with"
+            " target='cpu'"
+        )
+    if gpu is None:
+        return None, ""
+    if allocator is None:
+        found = AllocatorSettings.from_environ()
+        return found, _environment_source()
+    if isinstance(allocator, AllocatorSettings):
+        return allocator, "given as an AllocatorSettings"
+    if isinstance(allocator, str):
+        return AllocatorSettings.parse(allocator, "allocator"), f"given as allocator={allocator!r}"
+    raise ValueError(f"allocator must be {ALLOCATOR_HELP}, got {brief(allocator)}")
+
+
+def _environment_source() -> str:
+    """Which variable the environment's settings came from, in words (torch reads ``PYTORCH_ALLOC_CONF`` first)."""
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if variable in os.environ:
+            return f"read from the environment's {variable}={os.environ[variable]!r}"
+    return "PYTORCH_CUDA_ALLOC_CONF is not set"
+
+
+def _allocator_model(settings: AllocatorSettings | None) -> CachingAllocatorModel:
+    """The caching allocator's model for a GPU-target dry run, its pools keyed by the stream of each allocation."""
+    return CachingAllocatorModel(settings, stream=current_stream)
 
 
 def _gpu_target(target: Any, gpu: Any) -> CudaTarget | None:

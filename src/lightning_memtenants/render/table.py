@@ -2,7 +2,8 @@
 
 Both renderers print the same rows and the same lines in the same order; only the markup differs. The
 columns of a phase add up: the tenants, the named parts and ``other`` sum to ``allocated``, and where the
-allocator reserves (CUDA), ``allocated`` and ``fragmentation`` sum to ``reserved``.
+allocator reserves (CUDA), ``allocated`` and ``fragmentation`` sum to ``reserved``; ``reserved peak`` is the highest
+``reserved`` of the window, as ``window peak`` is of ``allocated``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from lightning_memtenants.names import PARTS, PHASES, TENANTS
 from lightning_memtenants.units import mib
 
 # The columns every table has; the named parts present in a step come after the tenants, and on an allocator
-# that reserves, ``fragmentation`` and ``reserved`` after ``allocated`` (see :func:`columns_for`).
+# that reserves, ``fragmentation`` and ``reserved`` after ``allocated``, and ``reserved peak`` where the window's
+# highest reserved bytes were read (see :func:`columns_for`).
 COLUMNS: tuple[str, ...] = (*TENANTS, "other", "allocated", "window peak")
 RESERVED_COLUMNS: tuple[str, ...] = ("fragmentation", "reserved")
+RESERVED_PEAK = "reserved peak"
 HIGH_WATER = "high-water mark"
 CELL = 16  # the width of a column of the text table, wider where its name is longer
 SUMMARY_HEADING = "memtenants: the fit"
@@ -50,7 +53,8 @@ def columns_for(report: StepReport) -> tuple[str, ...]:
 
     A named part (``names.PARTS``: the cuBLAS workspace, the autocast cache, ...) has a column where the step
     measured it, so that the tenants, the parts and ``other`` add up to ``allocated``; where the memory source
-    read reserved bytes (CUDA, a ``--target`` GPU), ``fragmentation`` and ``reserved`` follow ``allocated``.
+    read reserved bytes (CUDA, a ``--target`` GPU), ``fragmentation`` and ``reserved`` follow ``allocated``, and
+    ``reserved peak`` (the window's highest reserved bytes) follows them where the source read it.
 
     Args:
         report: the step.
@@ -61,6 +65,8 @@ def columns_for(report: StepReport) -> tuple[str, ...]:
     phases = [p for mb in report.micro_batches for p in mb.values()] or list(report.phases.values())
     parts = tuple(name for name in PARTS if any(name in p.parts_bytes for p in phases))
     reserved = RESERVED_COLUMNS if any(p.reserved_bytes is not None for p in phases) else ()
+    if any(p.reserved_peak_bytes is not None for p in phases):
+        reserved = (*reserved, RESERVED_PEAK)
     return (*TENANTS, *parts, "other", "allocated", *reserved, "window peak")
 
 
@@ -82,6 +88,7 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
     columns = columns_for(report)
     parts = [c for c in columns if c in PARTS]
     reserved = RESERVED_COLUMNS[0] in columns
+    reserved_peak = RESERVED_PEAK in columns
     rows: list[tuple[str, list[int | None]]] = []
     for name in PHASES:
         phase = report.phases.get(name)
@@ -91,6 +98,8 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
             cells += [phase.other_bytes, phase.allocated_bytes]
             if reserved:
                 cells += [phase.fragmentation_bytes, phase.reserved_bytes]
+            if reserved_peak:
+                cells.append(phase.reserved_peak_bytes)
             rows.append((name, [*cells, phase.window_peak_bytes]))
     high: list[int | None] = [report.tenants_bytes[t] for t in TENANTS]
     high += [report.parts_bytes.get(p, 0) for p in parts]  # type: ignore[call-overload]
@@ -98,6 +107,8 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
     if reserved:
         phases = [p for mb in report.micro_batches for p in mb.values()] or list(report.phases.values())
         high += [_highest(p.fragmentation_bytes for p in phases), _highest(p.reserved_bytes for p in phases)]
+    if reserved_peak:
+        high.append(report.peak_reserved_bytes)
     rows.append((HIGH_WATER, [*high, report.peak_bytes]))
     largest = report.largest_tenant
     tenants = (
@@ -108,7 +119,10 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
         why = report.peak_explanation.removeprefix(NOT_MEASURED) or "no memory source measured this step"
         lines = [f"{NOT_MEASURED}{why}; {tenants}"]
     else:
-        lines = [f"peak {mib(report.peak_bytes)} MiB; {tenants}", report.peak_explanation]
+        reserved_text = (
+            "" if report.peak_reserved_bytes is None else f"; peak reserved {mib(report.peak_reserved_bytes)} MiB"
+        )
+        lines = [f"peak {mib(report.peak_bytes)} MiB{reserved_text}; {tenants}", report.peak_explanation]
         if report.activations_by_module_bytes:
             lines.append(activations_by_module_line(report))
     for name, value in report.parts_bytes.items():

@@ -51,6 +51,7 @@ def metrics(report: StepReport, separator: str = "/") -> dict[str, float]:
     values[("fixed_deviation_MiB",)] = report.fixed_deviation_bytes
     values[("peak_MiB",)] = report.peak_bytes
     values[("peak_minus_sum_MiB",)] = report.peak_minus_sum_bytes
+    values[("peak_reserved_MiB",)] = report.peak_reserved_bytes
     values[("other_MiB",)] = report.other_bytes
     for name, phase in report.phases.items():
         values[("allocated", f"{name}_MiB")] = phase.allocated_bytes
