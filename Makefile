@@ -34,10 +34,13 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 # The prepared CUDA check (benchmarks/gpu_check.py: measured on the device beside the callback and the predictions).
-# It runs on the GPU machine's own python3, which holds a CUDA torch and lightning: nothing is installed.
+# It runs on the GPU machine's own python3, which holds a CUDA torch and lightning: nothing is installed. It writes
+# results.json and results.md into OUT as it goes, and starts no section once BUDGET_S seconds are nearly spent.
 GPU_PYTHON ?= python3
+OUT ?= build/gpu_check
+BUDGET_S ?= 420
 gpu-check:
-	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py
+	PYTHONPATH=src PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) --budget-s $(BUDGET_S)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
