@@ -71,6 +71,7 @@ from torch.utils.data._utils.collate import default_collate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_models  # noqa: E402
 from gpu_models import CASES  # noqa: E402
 from gpu_results import Results  # noqa: E402
 from seed_mlp import SeedMLP, seed_loader, seed_model  # noqa: E402
@@ -196,23 +197,10 @@ def build(name: str) -> L.LightningModule:
     torch.manual_seed(0)
     if name == "seed":
         return SeedMLP()
-    import transformers as tf
-
-    s = sizes(name)
     if name == "gpt2":  # GPT-2 small but 2 layers: vocabulary 50,257, 1,024 positions, dropout 0.1
-        config = tf.GPT2Config(n_layer=2, n_embd=s["width"], n_head=s["heads"], attn_implementation="sdpa")
-        return HFModule(tf.GPT2LMHeadModel(config))
+        return HFModule(gpu_models.gpt2(SMOKE))
     if name == "vit":  # ViT-B/16 but 2 layers: patch 16, 1,000 classes, no dropout
-        config = tf.ViTConfig(
-            num_hidden_layers=2,
-            hidden_size=s["width"],
-            num_attention_heads=s["heads"],
-            intermediate_size=4 * s["width"],
-            image_size=s["image"],
-            num_labels=1000,
-            attn_implementation="sdpa",
-        )
-        return HFModule(tf.ViTForImageClassification(config))
+        return HFModule(gpu_models.vit(SMOKE))
     raise ValueError(f"no set-up named {name!r}")
 
 

@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from conftest import plain_step
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -85,16 +86,7 @@ def real_steps(model: nn.Module, steps: int = 2) -> object:
     x = torch.randn(B, D)
     monitor = TenantMonitor(model, [optimizer])
     for _ in range(steps):
-        monitor.phase("batch_start", batch=x)
-        loss = mean_square(model, x)
-        monitor.phase("before_backward", output=loss)
-        loss.backward()
-        monitor.phase("after_backward")
-        monitor.phase("before_optimizer_step")
-        optimizer.step()
-        monitor.phase("batch_end")
-        optimizer.zero_grad()
-        report = monitor.end_step()
+        report, _ = plain_step(monitor, model, optimizer, x)
     return report
 
 
