@@ -264,3 +264,45 @@ def test_the_math_path_is_atens_own_step_by_step(dtype: torch.dtype) -> None:
     ours = run(lambda q, k, v: _math_attention(q, k, v, None, 0.0, False, None, False))
     atens = run(lambda q, k, v: torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[0])
     assert ours == atens
+
+
+def test_the_casts_a_checkpointed_region_recomputes_die_with_its_autocast() -> None:
+    class Blocks(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))
+            self.checkpointed = checkpointed
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+            return x
+
+    def loss(module: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        return module(batch[0]).float().pow(2).mean()
+
+    allocated = []
+    for checkpointed in (False, True):
+        report = predict(
+            Blocks(checkpointed), (torch.Size([32, 256]),), loss_fn=loss, precision="16-mixed", target="A100"
+        )
+        allocated.append(report.phases["after_backward"].allocated_bytes)
+    parameters = 3 * (256 * 256 * 4 + 256 * 4)  # float32 weights and biases, each a multiple of 512 bytes
+    batch, loss_scalar = 32 * 256 * 4, 512  # the loss's 4 bytes in a 512-byte block
+    cublas = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)  # torch's default workspace on Ampere, forward's and autograd's
+    # the recomputation's fp16 weight and bias copies (3 * (131,072 + 512) bytes) went when its autocast exited
+    assert allocated == [2 * parameters + batch + loss_scalar + cublas] * 2
+
+
+def test_the_casts_of_an_autocast_region_die_when_it_exits_in_the_forward() -> None:
+    def loss(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = module(batch)
+        torch.empty(2**20).sum()  # after the region: its fp16 weight and bias copies are gone
+        return out.float().sum()
+
+    report = predict(nn.Linear(256, 256), torch.Size([32, 256]), loss_fn=loss, target="A100")
+    parameters, batch = 256 * 256 * 4 + 256 * 4, 32 * 256 * 4
+    kept = 2 * 32 * 256 * 2  # the fp16 input linear keeps, and its fp16 output
+    cublas = 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert report.phases["before_backward"].window_peak_bytes == parameters + batch + kept + cublas + 2**22 + 512

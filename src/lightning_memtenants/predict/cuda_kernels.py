@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -527,7 +528,9 @@ class CudaKernels(TorchFunctionMode):
 
     Autocast is CUDA's while the step's autocast is on (``torch.is_autocast_enabled("cpu")``: the dry
     run's forward opens it, and a ``torch.autocast(..., enabled=False)`` in the model closes it); the CPU's
-    own casts are switched off meanwhile, so that only CUDA's lists apply. torch's Python functions
+    own casts are switched off meanwhile, so that only CUDA's lists apply. The weights it casts are
+    forgotten, as torch's ``autocast.__exit__`` clears its cache, when the outermost autocast exits: the
+    forward's, and each checkpointed region's own in backward's recomputation. torch's Python functions
     (``F.multi_head_attention_forward``, ``F.interpolate``) run with this mode on, so that the calls
     inside them are seen too.
 
@@ -548,10 +551,40 @@ class CudaKernels(TorchFunctionMode):
         self.recurrent = 0
         self._cache: dict[int, tuple[Tensor, Tensor]] = {}
         self._bodies: dict[Any, Any] = {}
+        self._depth = 0
+        self._outer_nesting = 0
+        self._thread = 0
+        self._decrement: Callable[[], int] = torch.autocast_decrement_nesting
 
     def clear_cache(self) -> None:
         """Forget the weights cast so far, as leaving ``torch.autocast`` does."""
         self._cache.clear()
+
+    def __enter__(self) -> CudaKernels:
+        if self._depth == 0:  # no mode sees autocast's exit, so the one call its __exit__ makes is wrapped
+            self._outer_nesting = torch.autocast_increment_nesting() - 1
+            torch.autocast_decrement_nesting()
+            self._thread = threading.get_ident()
+            self._decrement = torch.autocast_decrement_nesting
+            torch.autocast_decrement_nesting = self._decrement_nesting
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                torch.autocast_decrement_nesting = self._decrement
+                self.clear_cache()
+
+    def _decrement_nesting(self) -> int:
+        """``autocast.__exit__``'s call, which clears the cast cache when no autocast is left open."""
+        nesting = self._decrement()
+        if nesting <= self._outer_nesting and threading.get_ident() == self._thread:
+            self.clear_cache()
+        return nesting
 
     def _chosen(self, kernel: str) -> None:
         self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
