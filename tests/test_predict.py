@@ -359,3 +359,72 @@ def test_a_prediction_inside_the_users_saved_tensor_hooks_never_calls_them_and_l
     assert report.tenants_bytes["activations"] > 0
     assert calls == ["inner", "inner"]
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def _float_sum(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+    return model(batch[0]).float().sum()
+
+
+@pytest.mark.parametrize(
+    ("make", "direct", "batch", "tensors_bytes", "parameters", "param_tensors"),
+    [
+        # Linear(4, 4) in bf16: weight 16 x 2 B + bias 4 x 2 B
+        (
+            lambda: nn.Linear(4, 4).to(torch.bfloat16),
+            lambda: nn.Linear(4, 4, dtype=torch.bfloat16),
+            (torch.zeros(2, 4, dtype=torch.bfloat16),),
+            16 * 2 + 4 * 2,
+            20,
+            2,
+        ),
+        # Embedding(10, 4) + Linear(4, 2) by .half(): 40 x 2 B + (8 + 2) x 2 B
+        (
+            lambda: nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)).half(),
+            lambda: nn.Sequential(nn.Embedding(10, 4, dtype=torch.half), nn.Linear(4, 2, dtype=torch.half)),
+            (torch.zeros(2, 3, dtype=torch.long),),
+            40 * 2 + 10 * 2,
+            50,
+            3,
+        ),
+        # with buffers: Linear(4, 4) + BatchNorm1d(4) in fp16; running mean and var 2 x 4 x 2 B, the int64 counter 8 B
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(torch.float16),
+            lambda: nn.Sequential(nn.Linear(4, 4, dtype=torch.half), nn.BatchNorm1d(4, dtype=torch.half)),
+            (torch.zeros(2, 4, dtype=torch.half),),
+            (20 + 8) * 2 + 2 * 4 * 2 + 8,
+            28,
+            4,
+        ),
+        # device and dtype in one call, the device the one it is on
+        (
+            lambda: nn.Linear(4, 4).to("cpu", torch.bfloat16),
+            lambda: nn.Linear(4, 4, dtype=torch.bfloat16),
+            (torch.zeros(2, 4, dtype=torch.bfloat16),),
+            40,
+            20,
+            2,
+        ),
+    ],
+    ids=["linear-to-bf16", "embedding-half", "batchnorm-buffers-to-fp16", "to-cpu-and-bf16"],
+)
+def test_a_model_converted_in_its_constructor_is_predicted_as_built_in_that_dtype(
+    make, direct, batch, tensors_bytes: int, parameters: int, param_tensors: int
+) -> None:
+    report = predict(make, batch, loss_fn=_float_sum)
+    assert report.tenants_bytes["weights"] == tensors_bytes
+    assert report.tenants_bytes["gradients"] == 2 * parameters
+    assert report.tenants_bytes["optimizer_state"] == 2 * 2 * parameters + 4 * param_tensors  # Adam, 4-byte steps
+    same = predict(direct, batch, loss_fn=_float_sum)
+    assert (report.tenants_bytes, report.peak_bytes) == (same.tenants_bytes, same.peak_bytes)
+
+
+def test_a_tied_model_converted_in_its_constructor_stays_tied() -> None:
+    def make() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100, bias=False))
+        model[1].weight = model[0].weight
+        return model.to(torch.bfloat16)
+
+    apply = nn.Module._apply
+    report = predict(make, (torch.zeros(2, 8, dtype=torch.long),), loss_fn=_float_sum)
+    assert report.tenants_bytes["weights"] == report.tenants_bytes["gradients"] == 100 * 16 * 2
+    assert nn.Module._apply is apply  # torch's, put back after the build

@@ -23,7 +23,14 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_memtenants._private import FakeTensor, ShapeEnv, convert_in_place, global_modes, unset_fake
+from lightning_memtenants._private import (
+    FakeTensor,
+    ShapeEnv,
+    convert_in_place,
+    converting_in_place,
+    global_modes,
+    unset_fake,
+)
 from lightning_memtenants.checks import brief, one_of
 from lightning_memtenants.core.storage import batch_tensors
 from lightning_memtenants.predict.kernels import KernelFakeMode
@@ -346,7 +353,8 @@ def build(make: Callable[[], nn.Module], mode: Any, notes: list[str] | None = No
     value check passes), and the few small tensors made only from constants (``torch.linspace`` over
     the depth, as timm's drop-path schedule is) are computed for real on the CPU, so that ``.item()``
     and ``if`` on them work. :func:`fake_module` then makes every tensor fake; what the constructor drew
-    from the random generator is put back.
+    from the random generator is put back. A constructor that converts its module (``Model().to(torch.bfloat16)``,
+    ``.half()``) converts its fake tensors in place (:func:`converting_in_place`), as a real module's ``.data``.
 
     Args:
         make: a zero-argument callable that returns an ``nn.Module``.
@@ -361,7 +369,8 @@ def build(make: Callable[[], nn.Module], mode: Any, notes: list[str] | None = No
         PredictionError: naming the line, if the constructor reads a value that is not a constant.
     """
     try:
-        built = make()
+        with converting_in_place():
+            built = make()
     except Exception as error:
         if not is_unknown_value(error):
             raise
