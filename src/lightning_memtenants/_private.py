@@ -41,6 +41,7 @@ __all__ = [
     "fsdp_comm_streams",
     "global_modes",
     "hidden_from_function_modes",
+    "inductor_allocator_slots",
     "inner_tensors",
     "is_mock_optimizer",
     "is_traceable_wrapper_subclass",
@@ -196,6 +197,41 @@ def compiled_in_place(module: Any) -> bool:
         True where the module is or holds a compiled call.
     """
     return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+# Inductor's generated Python wrappers allocate their CPU buffers with these functions of ``torch._C._dynamo.guards``,
+# outside the dispatcher; each generated module binds them as globals (left) as it loads. No public hook sees them.
+_INDUCTOR_CPU_ALLOCATORS = (
+    ("empty_strided_cpu", "_empty_strided_cpu"),
+    ("empty_strided_cpu_pinned", "_empty_strided_cpu_pinned"),
+)
+
+
+def inductor_allocator_slots() -> list[tuple[dict[str, Any], str]]:
+    """Where inductor's compiled CPU code finds the functions that allocate its buffers: ``(namespace, name)`` pairs.
+
+    ``torch._C._dynamo.guards`` holds them, and a generated wrapper module copies them into its globals as it loads
+    (``PyCodeCache`` keeps every one loaded); its ``call`` looks them up there on each run. Inductor is not imported
+    here: before it is, no generated module exists.
+
+    Returns:
+        The guards module's slots, then each loaded generated module's, where the name is bound.
+    """
+    import sys
+
+    module = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    guards = vars(module) if module is not None else {}
+    slots = [(guards, name) for _, name in _INDUCTOR_CPU_ALLOCATORS if name in guards]
+    codecache = sys.modules.get("torch._inductor.codecache")
+    cache = getattr(codecache, "PyCodeCache", None)
+    if cache is None:
+        return slots
+    loaded = {id(module): module for module in getattr(cache, "modules", ())}
+    loaded.update((id(module), module) for module in getattr(cache, "modules_no_attr", {}).values())
+    for module in loaded.values():
+        namespace = vars(module)
+        slots.extend((namespace, name) for name, _ in _INDUCTOR_CPU_ALLOCATORS if name in namespace)
+    return slots
 
 
 def default_foreach(params: list[Tensor]) -> bool:
@@ -762,27 +798,57 @@ def convert_in_place(module: torch.nn.Module) -> None:
     import types
 
     def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
-        try:
-            return type(self)._apply(self, fn, recurse)
-        except RuntimeError as error:
-            if "Couldn't swap" not in str(error):
-                raise
-        for param in self._parameters.values():  # the children are done; the own parameters are unchanged
-            if param is None:
-                continue
-            with torch.no_grad():
-                applied = fn(param)
-            if applied is not param and (applied.dtype, applied.device) != (param.dtype, param.device):
-                param.data = applied
-                if param.grad is not None:
-                    param.grad.data = fn(param.grad)
-        for name, buffer in self._buffers.items():
-            if buffer is not None:
-                self._buffers[name] = fn(buffer)
-        return self
+        return _apply_in_place(self, type(self)._apply, fn, recurse)
 
     for sub in module.modules():
         sub._apply = types.MethodType(apply, sub)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def converting_in_place() -> Iterator[None]:
+    """Inside, ``module.to(dtype)`` (``.half()``, ``.float()``) on fake parameters converts them in place.
+
+    A parameter made under a fake mode stays in the mode's memo of converted tensors (a weak reference), and
+    ``torch.utils.swap_tensors``, which ``Module._apply`` uses for every fake parameter, refuses a tensor with a
+    weak reference: a model-building callable ending in ``.to(torch.bfloat16)`` fails under fake tensors. The
+    class's ``_apply`` (private) is wrapped for the block as :func:`convert_in_place` wraps a copy's modules;
+    restored on leaving.
+
+    Yields:
+        Nothing.
+    """
+    original = torch.nn.Module._apply
+
+    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        return _apply_in_place(self, original, fn, recurse)
+
+    torch.nn.Module._apply = apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original  # type: ignore[method-assign]
+
+
+def _apply_in_place(self: torch.nn.Module, torch_apply: Any, fn: Any, recurse: bool) -> torch.nn.Module:
+    """torch's ``_apply``, and on its swap failure the conversion of the module's own tensors in place."""
+    try:
+        return torch_apply(self, fn, recurse)
+    except RuntimeError as error:
+        if "Couldn't swap" not in str(error):
+            raise
+    for param in self._parameters.values():  # the children are done; the own parameters are unchanged
+        if param is None:
+            continue
+        with torch.no_grad():
+            applied = fn(param)
+        if applied is not param and (applied.dtype, applied.device) != (param.dtype, param.device):
+            param.data = applied
+            if param.grad is not None:
+                param.grad.data = fn(param.grad)
+    for name, buffer in self._buffers.items():
+        if buffer is not None:
+            self._buffers[name] = fn(buffer)
+    return self
 
 
 def dtensor_caches_cleared() -> None:
@@ -796,3 +862,204 @@ def dtensor_caches_cleared() -> None:
     from torch.distributed.tensor import debug
 
     debug._clear_sharding_prop_cache()
+
+
+# -- torch.compile, predicted without Dynamo ------------------------------------------------------
+
+
+def compile_settings(compiled: Any) -> tuple[str, dict[str, Any], bool] | None:
+    """What ``torch.compile`` was asked for: the backend, inductor's options (``mode`` turned into them), fullgraph.
+
+    Read from the ``OptimizeContext`` that an ``OptimizedModule`` holds (``dynamo_ctx``), or that a compiled
+    function's wrapper closes over; the backend is the innermost of its callback's ``_torchdynamo_orig_backend``
+    chain. torch keeps none of this in public attributes.
+
+    Args:
+        compiled: an ``OptimizedModule`` or a function ``torch.compile`` returned.
+
+    Returns:
+        ``(backend, options, fullgraph)``, with backend ``"inductor"``, ``"aot_eager"``... or a callable backend's
+        ``__name__``; None where ``compiled`` holds no compile context.
+    """
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None:
+        cells = getattr(compiled, "__closure__", None) or ()
+        contents = [cell.cell_contents for cell in cells if cell.cell_contents is not None]
+        ctx = next((c for c in contents if hasattr(c, "callback") and hasattr(c, "fullgraph")), None)
+    if ctx is None:
+        return None
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = innermost_backend(ctx.callback)
+    name = getattr(backend, "compiler_name", None)
+    options = dict(getattr(backend, "config", None) or {})
+    return (name if isinstance(name, str) else "custom"), options, bool(getattr(ctx, "fullgraph", False))
+
+
+def compiled_original(compiled: Any) -> Any:
+    """The callable a compiled function wraps (``_torchdynamo_orig_callable``), or None for one that is not compiled.
+
+    Args:
+        compiled: any object.
+
+    Returns:
+        The original function or bound method.
+    """
+    return getattr(compiled, "_torchdynamo_orig_callable", None)
+
+
+@contextlib.contextmanager
+def without_modes() -> Iterator[None]:
+    """Every mode and default saved-tensor hook off, and back as they were after: AOT autograd traces under its own.
+
+    The dry run's dispatch modes (the tracker, the fake mode), its function modes and its saved-tensor hooks would
+    see, or be traced into, the graphs; AOT autograd finds the fake mode from its inputs.
+    """
+    dispatch, function = global_modes.dispatch(), global_modes.function()
+    flags, hooks = global_modes.flags(), global_modes.saved_tensors_hooks()
+    global_modes.restore([], [], (False, False, False), [])
+    try:
+        yield
+    finally:
+        global_modes.restore(dispatch, function, flags, hooks)
+
+
+def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, run_graph: Any) -> Any:
+    """Trace ``module`` with AOT autograd as ``backend`` does, and run its graphs as ``run_graph`` says (no kernels).
+
+    ``"inductor"`` as ``compile_fx`` does: inductor's decompositions (``select_decomp_table``), its joint-graph
+    passes, then ``min_cut_rematerialization_partition`` with ``compiler="inductor"``, which reads
+    ``torch._functorch.config.activation_memory_budget``; the ``aot_eager`` family as
+    ``torch/_dynamo/backends/debugging.py`` registers it (``aot_eager``: the min-cut partitioner without
+    decompositions; ``aot_eager_decomp_partition``: with inductor's; ``aot_eager_default_partitioner``:
+    ``default_partition``). The forward and backward compilers compile nothing: each graph goes to ``run_graph``,
+    which says how to run it. Dynamo's counters (the pattern matcher's among them) are left as they were.
+
+    Args:
+        module: a module whose ``forward`` returns a tuple of tensors; its parameters and buffers become inputs.
+        inputs: the fake input tensors; AOT autograd traces under their fake mode.
+        backend: one of :data:`AOT_BACKENDS`.
+        run_graph: called with each ``GraphModule`` traced (the forward, then the backward); returns a callable
+            that runs it on its inputs, or, where it has a true ``boxed`` attribute, on the list of its inputs,
+            which it may empty (AOT autograd's boxed calling convention).
+
+    Returns:
+        A callable taking ``inputs``' runtime values and returning the outputs as a list.
+    """
+    import functools
+
+    from torch._dynamo.utils import counters
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    def nop(gm: Any, _: Any) -> Any:
+        run = run_graph(gm)
+        if getattr(run, "boxed", False):  # takes AOT autograd's list of inputs, and frees each as inductor's code does
+            run._boxed_call = True
+            return run
+        return make_boxed_func(run)
+
+    min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+    def inductor_partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        return min_cut(joint_graph_passes(gm), joint_inputs, **kwargs)
+
+    recipes: dict[str, tuple[Any, Any]] = {
+        "inductor": (inductor_partition, select_decomp_table()),
+        "aot_eager": (min_cut_rematerialization_partition, None),
+        "aot_eager_decomp_partition": (min_cut, select_decomp_table()),
+        "aot_eager_default_partitioner": (default_partition, None),
+    }
+    partition, decompositions = recipes[backend]
+    before = {name: dict(counter) for name, counter in counters.items()}  # the pattern matcher counts: the user's
+    try:
+        return aot_module_simplified(
+            module,
+            inputs,
+            fw_compiler=nop,
+            bw_compiler=nop,
+            partition_fn=partition,
+            decompositions=decompositions,
+            keep_inference_input_mutations=backend != "aot_eager_decomp_partition",
+        )
+    finally:
+        counters.clear()
+        for name, counter in before.items():
+            counters[name].update(counter)
+
+
+# The backends whose saved tensors AOT autograd decides, traced by :func:`aot_inductor` as each does.
+AOT_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner")
+
+
+def activation_memory_budget() -> float:
+    """``torch._functorch.config.activation_memory_budget``: the share of activations inductor's partitioner keeps.
+
+    Returns:
+        The budget, 1.0 where the user left it (save what is cheapest to keep, recompute the rest).
+    """
+    from torch._functorch import config
+
+    return float(config.activation_memory_budget)
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    """A nest of tuples, lists and dicts as its leaves and its shape (``torch.utils._pytree``, what AOT autograd uses).
+
+    Args:
+        tree: the nest.
+
+    Returns:
+        The leaves, and the spec :func:`unflatten` rebuilds the nest from.
+    """
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(tree)
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The nest :func:`flatten` read, with ``leaves`` in place of its own.
+
+    Args:
+        leaves: one value per leaf.
+        spec: the spec :func:`flatten` returned.
+
+    Returns:
+        The nest.
+    """
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
+def fake_like(tensor: Tensor, mode: Any) -> Tensor:
+    """A new fake tensor of ``mode`` with ``tensor``'s shape, strides, dtype, device and ``requires_grad``.
+
+    AOT autograd's graphs keep the tensors they were traced with (in their nodes' ``meta["val"]``); traced with a
+    stand-in, the dry run's own tensor is freed when its step is done with it; a real tensor (a constant the dry
+    run computed for real) stands as a fake of static shape, not as one AOT autograd would make dynamic.
+
+    Args:
+        tensor: a fake or real tensor.
+        mode: the dry run's ``FakeTensorMode``.
+
+    Returns:
+        The stand-in.
+    """
+    with mode:
+        made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    return made.requires_grad_(tensor.requires_grad)
+
+
+def fake_mode_of(tensor: Tensor) -> Any:
+    """The ``FakeTensorMode`` a fake tensor belongs to (``FakeTensor.fake_mode``), or None for another tensor.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        Its mode, or None.
+    """
+    return tensor.fake_mode if isinstance(tensor, FakeTensor) else None

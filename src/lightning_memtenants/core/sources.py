@@ -323,7 +323,6 @@ class TrackerSource(MemorySource):
 
     name = "tracker"
     every_step = False
-    sees_compiled_code = False  # inductor's kernels allocate outside the dispatcher
 
     def __init__(
         self,
@@ -338,6 +337,9 @@ class TrackerSource(MemorySource):
     ) -> None:
         super().__init__()
         self.label = label
+        # inductor's compiled CPU code allocates outside the dispatcher, through functions the tracker wraps while it
+        # runs; compiled code for another device allocates where no tracker looks
+        self.sees_compiled_code = device_type == "cpu"
         self.tracker = LiveTensorTracker(
             device_type,
             scan=scan,

@@ -19,7 +19,10 @@ The tracker shares the process with the user's own modes and patches, so it comp
 its mode asks ``torch.compile`` to leave it out of compilation (``ignore_compile_internals``)
 rather than making Dynamo skip the frame, it leaves the mode stack as it found it even when
 the user's mode sits above it, and its ``UntypedStorage.resize_`` wrapper calls whatever was
-installed before and puts it back. A tracker on a real device never counts fake or meta tensors
+installed before and puts it back. Compiled CPU code allocates its buffers outside the dispatcher, through
+inductor's ``empty_strided_cpu``; while a tracker runs, a wrapper over it (in ``torch._C._dynamo.guards`` and in
+every generated module's globals) counts them, and what was there is put back when the last tracker pauses.
+A tracker on a real device never counts fake or meta tensors
 as memory; ``count_fake`` counts fake tensors as the memory they stand for (a prediction).
 """
 
@@ -40,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_memtenants._private import (
     FakeTensor,
     TorchDispatchMode,
+    inductor_allocator_slots,
     inner_tensors,
     is_traceable_wrapper_subclass,
     mode_stack,
@@ -126,6 +130,8 @@ def _resize_wrapper(previous: Any) -> Any:
 
 def _follow_resizes(tracker: LiveTensorTracker, on: bool) -> None:
     if on and tracker not in _following:
+        if not _following:
+            _follow_compiled(True)
         if not _installed:
             own = "resize_" in torch.UntypedStorage.__dict__
             previous = torch.UntypedStorage.resize_
@@ -135,6 +141,8 @@ def _follow_resizes(tracker: LiveTensorTracker, on: bool) -> None:
         _following.append(tracker)
     elif not on and tracker in _following:
         _following.remove(tracker)
+        if not _following:
+            _follow_compiled(False)
         if not _following and _installed:
             wrapper, own, previous = _installed.pop()
             if torch.UntypedStorage.__dict__.get("resize_") is wrapper:
@@ -143,6 +151,53 @@ def _follow_resizes(tracker: LiveTensorTracker, on: bool) -> None:
                 else:
                     del torch.UntypedStorage.resize_
             # else someone patched over ours since: it stays in their chain, calling only the method before it
+
+
+# The wrappers we put over inductor's CPU allocators while any tracker runs: id(wrapped) -> (wrapped, wrapper), and
+# id(wrapper) -> (wrapper, wrapped). One wrapper per function wrapped, however many generated modules bind it.
+_wrapping: dict[int, tuple[Any, Any]] = {}
+_wrapped: dict[int, tuple[Any, Any]] = {}
+
+
+def _allocator_wrapper(previous: Any) -> Any:
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        """An allocation of inductor's compiled CPU code while a tracker runs: it bypasses the dispatcher, so the
+        trackers count the buffer here. It calls the function that was there before (the user's patch, inductor's
+        own), and a buffer counted twice through a chain of such wrappers is counted once."""
+        out = previous(*args, **kwargs)
+        for tracker in _following:
+            tracker.allocated(out)
+        if _pending:
+            raise_pending()
+        return out
+
+    return allocate
+
+
+def _follow_compiled(on: bool) -> None:
+    """Put our wrapper over each of inductor's CPU allocators (``inductor_allocator_slots``), or put back what was.
+
+    A generated module loaded while ours is in ``torch._C._dynamo.guards`` binds ours; it gets the original back with
+    the others. A slot someone patched over ours since is left as it is: ours stays in their chain and counts only
+    while a tracker runs.
+    """
+    for namespace, name in inductor_allocator_slots():
+        current = namespace[name]
+        if on:
+            if id(current) in _wrapped:
+                continue
+            entry = _wrapping.get(id(current))
+            if entry is None:
+                entry = _wrapping[id(current)] = (current, _allocator_wrapper(current))
+                _wrapped[id(entry[1])] = (entry[1], current)
+            namespace[name] = entry[1]
+        else:
+            ours = _wrapped.get(id(current))
+            if ours is not None and ours[0] is current:
+                namespace[name] = ours[1]
+    if not on:
+        _wrapping.clear()
+        _wrapped.clear()
 
 
 def _exit_mode(mode: TorchDispatchMode) -> None:
@@ -557,6 +612,29 @@ class LiveTensorTracker:
         else:
             return
         self._grow(nbytes)
+
+    def allocated(self, tensor: Tensor) -> None:
+        """Count a buffer that compiled code allocated outside the dispatcher (inductor's ``empty_strided_cpu``).
+
+        It is counted as an operator's output is, and a freed one leaves through its storage's weak reference, as
+        every other does. A failure is kept in ``error``, as the allocation itself has happened.
+
+        Args:
+            tensor: the buffer, just allocated.
+
+        Raises:
+            torch.OutOfMemoryError: if it takes live bytes past ``limit_bytes``.
+        """
+        if self.error is not None or self.unseen:
+            return
+        before = self._current
+        try:
+            self.add(tensor)
+        except Exception as error:
+            self.error = error
+            return
+        if self.limit_bytes is not None:
+            self.check_limit(before)
 
     @property
     def active(self) -> bool:
