@@ -36,7 +36,7 @@ from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.sources import Reading, TrackerSource
 from lightning_memtenants.core.storage import batch_elements, batch_tensors
 from lightning_memtenants.core.timeline import StepTimeline, timeline_of
-from lightning_memtenants.monitor import TenantMonitor, holds_compiled_code
+from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.predict.allocator import AllocatorSettings, CachingAllocatorModel
 from lightning_memtenants.predict.cluster import (
     Parallel,
@@ -52,6 +52,7 @@ from lightning_memtenants.predict.cluster import (
     top_level_calls,
     wrap_ddp,
 )
+from lightning_memtenants.predict.compiled import predict_compiled
 from lightning_memtenants.predict.cuda_kernels import (
     CudaKernels,
     attention_note,
@@ -463,13 +464,10 @@ def _run(
                 count_fake=True,
             )
             routes.settle = source.tracker.settle  # a synchronize in the step sees the frees made before it
-        # the dry run runs torch.compile'd parts eagerly (below), so the tracker sees every allocation
+        # compiled parts run as inductor's code allocates (predict/compiled.py) or eagerly: the tracker sees them
         source.sees_compiled_code = True
-        if holds_compiled_code(fake):
-            notes.append(
-                "the model's torch.compile'd parts are predicted as they run eagerly; inductor's kernels may"
-                " save and allocate other tensors"
-            )
+        compiled = predict_compiled(fake, model if isinstance(model, nn.Module) else None)
+        notes.extend(compiled.notes)
         # on a GPU the step counters are host tensors (the tracker's HOST_OPS): in no tenant, nor the formula
         host_state = host_state_names if gpu_target is not None else None
         monitor = TenantMonitor(fake, optimizers, source=source, warn=_raise, host_state=host_state)
@@ -544,7 +542,7 @@ def _run(
         notes.append(note)
         for report in reports:
             report.notes.append(note)
-    for note in _value_notes(known, settings.routing):
+    for note in [*_value_notes(known, settings.routing), *compiled.refusals()]:
         notes.append(note)
         for report in reports:
             report.notes.append(note)
