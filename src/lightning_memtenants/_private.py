@@ -28,6 +28,7 @@ __all__ = [
     "TorchDispatchMode",
     "batches_that_stepped",
     "cast_source",
+    "compile_session",
     "compiled_by_lightning",
     "compiled_in_place",
     "convert_in_place",
@@ -909,6 +910,17 @@ def compiled_original(compiled: Any) -> Any:
 
 
 @contextlib.contextmanager
+def compile_session() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` true, as Dynamo holds it while compiling: library code takes its traced path.
+
+    Hugging Face's mask code, say, skips a check on a tensor's values (a guard no fake tensor can answer) when it
+    sees a compile; AOT autograd run alone must show it the same flag to trace the graph Dynamo would.
+    """
+    with torch.compiler._compile_session_context():
+        yield
+
+
+@contextlib.contextmanager
 def without_modes() -> Iterator[None]:
     """Every mode and default saved-tensor hook off, and back as they were after: AOT autograd traces under its own.
 
@@ -951,8 +963,10 @@ def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, ru
     from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
 
     def nop(gm: Any, _: Any) -> Any:
         run = run_graph(gm)
@@ -964,7 +978,8 @@ def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, ru
     min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
     def inductor_partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
-        return min_cut(joint_graph_passes(gm), joint_inputs, **kwargs)
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # as compile_fx sets it: the random passes read it
+            return min_cut(joint_graph_passes(gm), joint_inputs, **kwargs)
 
     recipes: dict[str, tuple[Any, Any]] = {
         "inductor": (inductor_partition, select_decomp_table()),
@@ -1003,6 +1018,22 @@ def activation_memory_budget() -> float:
     from torch._functorch import config
 
     return float(config.activation_memory_budget)
+
+
+@contextlib.contextmanager
+def activation_memory_budget_set(budget: float) -> Iterator[None]:
+    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` inside, and back as it was after.
+
+    Args:
+        budget: the share of activations inductor's partitioner keeps, in [0, 1].
+
+    Yields:
+        Nothing; the budget holds until the block ends.
+    """
+    from torch._functorch import config
+
+    with config.patch(activation_memory_budget=float(budget)):
+        yield
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:

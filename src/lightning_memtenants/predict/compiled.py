@@ -5,8 +5,10 @@ cheap pointwise work instead of saving it; run eagerly, the same code saves far 
 each compiled callable of its fake copy with AOT autograd itself, under the dry run's fake tensors, and runs the
 traced forward and backward graphs value by value as inductor's generated code would allocate them: a pointwise
 value that inductor fuses into its readers is computed unseen by the tracker, every other value is a buffer freed
-after its last use, the saved tensors included. Dynamo never sees the user's code: no cache entry is added to
-their functions, no recompile counted, and the user's model compiles the same graphs afterwards.
+after its last use, the saved tensors included. The trace runs with ``torch.compiler.is_compiling()`` true, as
+Dynamo holds it, so library code (Hugging Face's masks) takes its compiled path. Dynamo never sees the user's code:
+no cache entry is added to their functions, no recompile counted, and the user's model compiles the same graphs
+afterwards.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning_memtenants._private import (
     AOT_BACKENDS,
     activation_memory_budget,
     aot_inductor,
+    compile_session,
     compile_settings,
     compiled_by_lightning,
     compiled_in_place,
@@ -93,7 +96,10 @@ class CompiledCall:
             if kept:  # a cache object, say: traced, it would keep the trace's tensors; Dynamo replays its changes
                 raise ValueError(f"it is passed a {type(kept[0]).__name__}, which tracing alone would change")
             CompiledCall.tracing = True
-            with without_modes():  # AOT autograd traces under its own modes: the tracker sees only the run
+            with (
+                without_modes(),
+                compile_session(),
+            ):  # AOT autograd traces under its own modes; the tracker sees the run
                 tensors = [*(leaves[i] for i in positions), *self.root.parameters()]
                 mode = next(m for m in map(fake_mode_of, tensors) if m is not None)
                 inputs = [fake_like(leaves[i], mode) for i in positions]
