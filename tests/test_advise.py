@@ -155,14 +155,10 @@ def test_each_measured_fix_holds_to_the_byte_in_a_real_fit(advice: Any) -> None:
             "SGD with momentum",
             "Adafactor",
             "FSDP over 2 ranks",
-            "torch.compile",
-            "torch.compile + activation_memory_budget = 0.975",
         ]
     )  # one of each kind, and no combination: single fixes fit
     for fix in advice.fixes:
         assert fix.saves_bytes == advice.baseline_peak_bytes - fix.peak_bytes
-        if fix.name.startswith("torch.compile"):  # held to the compiled prediction below, as inductor compiles
-            continue
         if fix.name.startswith("FSDP"):  # no second process here: the cluster's dry run, rank by rank
             cluster = dry_run(Blocks(), shapes(SAMPLES // 2), steps=2, strategy="fsdp", world_size=2)
             assert fix.peak_bytes == max(r.peak_bytes for r in [*cluster.reports, *cluster.ranks])  # type: ignore[type-var]
@@ -219,7 +215,7 @@ def test_combinations_where_no_fix_that_keeps_the_batch_fits() -> None:
     """1.2 MB, no margin: neither bf16-mixed nor checkpointing every block fits alone; together, or with a
     micro-batch, they do, and each combination's peak is the real fit's."""
     advice = advise(Blocks(), shapes(SAMPLES), 1_200_000, margin=0.0)
-    combined = [fix for fix in advice.fixes if " + " in fix.name and not fix.name.startswith("torch.compile")]
+    combined = [fix for fix in advice.fixes if " + " in fix.name]
     assert [fix.name for fix in combined] == [
         "bf16-mixed + activation checkpointing (4 of 4 blocks) + smaller micro-batch (128 x accumulate_grad_batches=2)",
         "bf16-mixed + smaller micro-batch (128 x accumulate_grad_batches=2)",
@@ -716,73 +712,3 @@ def test_the_command_prints_the_advice_and_says_which_fix_failed_not_the_step(tm
         " device only)"
     ) in lines
     assert any(line.startswith("bf16-mixed  ") for line in lines) and "training step" not in run.stderr
-
-
-# -- torch.compile and activation_memory_budget (issue #31) --------------------------------------------------------
-
-
-def _compiled_peak(model: nn.Module, batch: torch.Size, budget: float | None = None) -> int:
-    """The prediction of ``model`` as the compile fixes are measured: two steps of SGD on the square loss."""
-    from compiled_models import square_loss
-
-    options: dict[str, Any] = {"loss_fn": square_loss, "optimizer": _plain_sgd, "steps": 2}
-    if budget is None:
-        return max(r.peak_bytes or 0 for r in dry_run(model, batch, **options).reports)
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        return max(r.peak_bytes or 0 for r in dry_run(model, batch, **options).reports)
-
-
-def _plain_sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
-# The gated blocks at a batch of 1024: at 64 the weights and gradients (3 x 789,248 parameters) peak at the end of
-# backward whatever the activations, and no budget changes the peak; at 1024 the saved activations set it.
-GATED_BATCH = torch.Size([1024, 256])
-
-
-@pytest.mark.slow
-def test_compiling_is_a_fix_whose_peak_is_the_compiled_prediction() -> None:
-    from compiled_models import gated_blocks, square_loss
-
-    eager = _compiled_peak(gated_blocks(), GATED_BATCH)
-    compiled = _compiled_peak(torch.compile(gated_blocks()), GATED_BATCH)
-    assert compiled < eager
-    budget = (compiled + eager) // 2  # the compiled step fits, the eager one does not
-    model = gated_blocks()
-    advice = advise(model, GATED_BATCH, budget, margin=0.0, loss_fn=square_loss, optimizer=_plain_sgd)
-    assert advice.baseline_peak_bytes == eager and advice.limit_bytes == budget
-    fix = next(f for f in advice.fixes if f.name == "torch.compile")
-    assert (fix.peak_bytes, fix.fits, fix.saves_bytes) == (compiled, True, eager - compiled)
-    assert fix.trainer_kwargs == {} and fix.batch_size is None and not fix.changes_training
-    assert fix.how.startswith("model.compile()")
-    assert not any("activation_memory_budget =" in f.name for f in advice.fixes)
-    assert "activation_memory_budget: the compiled step fits at the budget set now (1)" in advice.notes
-    assert getattr(model, "_compiled_call_impl", None) is None  # advise compiled a fake copy only
-    assert fix.apply is not None
-    fix.apply(model)
-    assert model._compiled_call_impl is not None
-    with pytest.raises(ValueError, match="module"):
-        fix.apply("not a module")  # type: ignore[arg-type]
-
-
-@pytest.mark.slow
-def test_the_activation_memory_budget_fix_is_searched_and_its_peak_is_the_prediction_at_that_budget() -> None:
-    from compiled_models import gated_blocks, square_loss
-
-    compiled = torch.compile(gated_blocks())
-    at_04 = _compiled_peak(compiled, GATED_BATCH, 0.4)
-    at_05 = _compiled_peak(compiled, GATED_BATCH, 0.5)
-    at_00 = _compiled_peak(compiled, GATED_BATCH, 0.0)
-    assert at_04 < at_05 and at_00 > at_04  # not monotone: recomputing everything peaks higher than 0.4
-    budget = at_04 + (at_05 - at_04) // 4
-    before = torch._functorch.config.activation_memory_budget
-    advice = advise(compiled, GATED_BATCH, budget, margin=0.0, loss_fn=square_loss, optimizer=_plain_sgd)
-    assert torch._functorch.config.activation_memory_budget == before == 1.0  # restored after every dry run
-    assert not any(f.name == "torch.compile" for f in advice.fixes)  # compiled already
-    fix = next(f for f in advice.fixes if f.name.startswith("activation_memory_budget = "))
-    chosen = float(fix.name.split(" = ")[1])
-    assert 0.4 <= chosen < 0.5  # 0.4 fits, 0.5 does not: the largest budget that fits lies between
-    assert fix.peak_bytes == _compiled_peak(compiled, GATED_BATCH, chosen) and fix.fits
-    assert f"torch._functorch.config.activation_memory_budget = {chosen:g}" in fix.how
-    assert fix.apply is None and fix.trainer_kwargs == {}

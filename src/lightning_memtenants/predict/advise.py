@@ -20,15 +20,7 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import Unpack
 
-from lightning_memtenants._private import (
-    FakeTensor,
-    TorchDispatchMode,
-    activation_memory_budget,
-    activation_memory_budget_set,
-    compiled_by_lightning,
-    compiled_in_place,
-    compiled_original,
-)
+from lightning_memtenants._private import FakeTensor, TorchDispatchMode
 from lightning_memtenants.analysis.forecast import limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors, storage_key
@@ -45,12 +37,6 @@ FOREACH = "foreach=False"
 FUSED = "fused=True"
 SGD = "SGD with momentum"
 ADAFACTOR = "Adafactor"
-COMPILE = "torch.compile"
-MEMORY_BUDGET = "activation_memory_budget"
-# The activation_memory_budget values tried first; the best is then refined between its grid neighbours. The peak is
-# not monotone in the budget (pytorch issue 197838), so every grid point is a dry run of its own.
-BUDGET_GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
-BUDGET_REFINE_STEPS = 3
 # Adafactor's learning rate where the model's optimizer gives none (torch's default).
 ADAFACTOR_LR = 1e-2
 
@@ -161,10 +147,8 @@ def advise(
     micro-batch with ``accumulate_grad_batches`` keeping the effective batch, the largest that fits (not under
     manual optimization, where Lightning refuses the accumulation); the optimizer's implementation
     (``foreach=False``, ``fused=True``) where it takes them; cheaper optimizers (SGD with momentum, Adafactor),
-    marked as changing training, the schedulers moved onto them; FSDP2 over ``fsdp_ranks`` ranks; ``torch.compile``
-    (where nothing is compiled yet) and the ``activation_memory_budget`` to set for the compiled step, the largest
-    that fits, searched over a grid and refined, as the peak is not monotone in it; and where no fix that keeps the
-    batch and the training fits, combinations of bf16-mixed, checkpointing and the micro-batch.
+    marked as changing training, the schedulers moved onto them; FSDP2 over ``fsdp_ranks`` ranks; and where no fix
+    that keeps the batch and the training fits, combinations of bf16-mixed, checkpointing and the micro-batch.
     Where the baseline fits already, each candidate shows what it would save: checkpointing every block, half the
     micro-batch. A smaller batch per device is marked as changing training where the step sees the batch as a
     whole (BatchNorm in training mode, a batch x batch product such as a contrastive loss's).
@@ -339,8 +323,6 @@ class _Setting:
     micro: int | None = None  # None: the batch as given
     optimizer: _OptimizerChange | None = None
     ranks: int = 1  # above 1: FSDP2 over this many ranks, each with the micro-batch
-    compiled: tuple[str, ...] | None = None  # the modules compiled in place (``module.compile()``); "" is the root
-    budget: float | None = None  # torch._functorch.config.activation_memory_budget in the dry run; None: as it is
 
 
 @dataclass(frozen=True)
@@ -380,8 +362,6 @@ class _Runner:
         self.squares: dict[int | None, set[int]] = {}  # by micro-batch (None: as given): n of n x n products seen
         self.unsafe_blocks: list[str] = []  # blocks whose recomputation would differ: never checkpointed
         self.bad_argument: BaseException | None = None  # what make_batch raised, raised by advise as it is
-        self.compiled = isinstance(model, nn.Module) and _has_compiled(model)  # the user compiled parts already
-        self.lightning = options.get("loss_fn") is None
 
     def baseline(self) -> int:
         """The step's own peak; its dry run checks every argument, finds the batch size and sees the optimizers."""
@@ -440,10 +420,6 @@ class _Runner:
             if lightning and callable(step):
                 fake.training_step = lambda *a, **k: self._watched((a, k), squares, lambda: step(*a, **k))  # type: ignore[method-assign]
             modules(fake)
-            if record:
-                self.compiled |= _has_compiled(fake)
-            if setting.compiled is not None:
-                _compile_in_place(fake, setting.compiled)
             if prepare is not None:
                 prepare(fake)
             configure = getattr(fake, "configure_optimizers", None)
@@ -451,10 +427,7 @@ class _Runner:
                 fake.configure_optimizers = lambda: _map_optimizers(configure(), self._seen)  # type: ignore[method-assign]
 
         batch = self.batch if setting.micro is None else self.micro_batch(setting.micro)
-        if setting.budget is None:
-            return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
-        with activation_memory_budget_set(setting.budget):  # the user's config as it was after
-            return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
+        return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
 
     def _watched(self, batch: Any, squares: set[int], run: Callable[[], Any]) -> Any:
         """``run()``, the user's step on ``batch``, with what makes its result depend on the whole batch noted."""
@@ -762,7 +735,6 @@ def _candidates(runner: _Runner) -> tuple[list[_Candidate], list[str]]:
     found.append(_attempt(runner, notes, MICRO_BATCH, lambda: _micro_candidate(runner, base, notes)))
     found += _attempt(runner, notes, "the optimizer", lambda: _optimizer_candidates(runner, base, notes)) or []
     found.append(_attempt(runner, notes, "FSDP over N ranks", lambda: _fsdp_candidate(runner, base, notes)))
-    found += _attempt(runner, notes, COMPILE, lambda: _compile_candidates(runner, base, notes)) or []
     return [candidate for candidate in found if candidate is not None], notes
 
 
@@ -1050,8 +1022,6 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         kwargs["devices"] = setting.ranks
     change = setting.optimizer if runner.configured else None
     apply = _module_change(setting.blocks, change, dry=False) if setting.blocks or change is not None else None
-    if setting.compiled is not None:
-        apply = functools.partial(_compile_fix, setting.compiled)
     batch_note = runner.training_change(setting)
     notes = [*(["it changes training: another optimizer trains differently"] if candidate.changes_training else [])]
     notes += [batch_note] if batch_note else []
@@ -1067,114 +1037,3 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         changes_training=bool(notes),
         training_note="; ".join(notes),
     )
-
-
-# -- torch.compile, and inductor's activation_memory_budget -----------------------------------------------------------
-
-
-def _has_compiled(module: nn.Module) -> bool:
-    """Whether any part of ``module`` is ``torch.compile``'d: a module compiled in place or wrapped, a compiled
-    method or helper kept in an attribute, a LightningModule Lightning compiled."""
-    return any(
-        compiled_in_place(m)
-        or compiled_by_lightning(m)
-        or any(compiled_original(v) is not None for v in vars(m).values())
-        for m in module.modules()
-    )
-
-
-def _compile_targets(runner: _Runner) -> tuple[str, ...]:
-    """What to compile as a user would: the whole model where the step calls it (a loss function's model), else each
-    of the LightningModule's blocks (its ``training_step`` need not call ``forward``, and Lightning runs the step
-    itself eagerly)."""
-    if not runner.lightning:
-        return ("",)
-    model = runner.model
-    if not isinstance(model, nn.Module):
-        return ("",)
-    return tuple(name for name, _ in _blocks(model))
-
-
-def _compile_in_place(module: nn.Module, names: tuple[str, ...]) -> None:
-    """``module.compile()`` on each named submodule ("" is ``module`` itself), as the user's fix does; nothing is
-    compiled until it is called, and a dry run traces the compiled calls itself (``predict.compiled``)."""
-    for name in names:
-        target = module.get_submodule(name) if name else module
-        if not compiled_in_place(target):
-            target.compile()
-
-
-def _compile_fix(names: tuple[str, ...], module: nn.Module) -> None:
-    _check_module(module)
-    _compile_in_place(module, names)
-
-
-def _compile_how(names: tuple[str, ...]) -> str:
-    if names == ("",):
-        return "model.compile() (or model = torch.compile(model)) before the step runs, as fix.apply(model) does"
-    listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more"
-    return f"call .compile() on {listed} (torch.compile in place), as fix.apply(model) does"
-
-
-def _budget_how(budget: float) -> str:
-    return (
-        f"set torch._functorch.config.activation_memory_budget = {budget:g} before the fit (inductor's partitioner"
-        " then recomputes more of the forward in backward instead of saving it)"
-    )
-
-
-def _budget_to_set(runner: _Runner, setting: _Setting) -> float:
-    """The ``activation_memory_budget`` to set: the largest (least recomputation) whose step fits, searched.
-
-    Every point of :data:`BUDGET_GRID` is a dry run, as the peak is not monotone in the budget (pytorch issue
-    197838: a smaller budget can peak higher); then the interval between the largest fitting point and the next
-    larger one is bisected :data:`BUDGET_REFINE_STEPS` times, keeping the largest budget seen to fit. Where no
-    point fits, or the step fits at the budget it has, the point with the lowest peak (the largest of equals).
-    """
-    peaks = {budget: runner.peak(_with(setting, budget=budget)) for budget in BUDGET_GRID}
-    fitting = [budget for budget in BUDGET_GRID if peaks[budget] <= runner.limit]
-    if not fitting or runner.fits(setting):
-        return min(BUDGET_GRID, key=lambda budget: (peaks[budget], -budget))
-    best = max(fitting)
-    above = [budget for budget in BUDGET_GRID if budget > best]
-    if not above:
-        return best
-    low, high = best, min(above)
-    for _ in range(BUDGET_REFINE_STEPS):
-        middle = round((low + high) / 2, 4)
-        if runner.fits(_with(setting, budget=middle)):
-            low = middle
-        else:
-            high = middle
-    return low
-
-
-def _compile_candidates(runner: _Runner, base: _Setting, notes: list[str]) -> list[_Candidate]:
-    """``torch.compile`` (where nothing is compiled yet), and the ``activation_memory_budget`` to set for it.
-
-    The compiled step is predicted as inductor compiles it (AOT autograd and its min-cut partitioner, under the
-    dry run's fake tensors; ``predict.compiled``); the budget's dry runs set it only while they run.
-    """
-    found = []
-    setting = base
-    if not runner.compiled:
-        names = _compile_targets(runner)
-        if not names:
-            notes.append(f"{COMPILE}: the model has no blocks a dry run could compile")
-            return []
-        setting = _with(base, compiled=names)
-        found.append(_Candidate(COMPILE, setting, _compile_how(names)))
-    current = activation_memory_budget()
-    if runner.peak(base) > runner.limit and runner.fits(setting):
-        notes.append(f"{MEMORY_BUDGET}: the compiled step fits at the budget set now ({current:g})")
-        return found
-    budget = _budget_to_set(runner, setting)
-    if budget == current:
-        notes.append(f"{MEMORY_BUDGET}: the budget set now ({current:g}) peaks lowest")
-        return found
-    name = f"{MEMORY_BUDGET} = {budget:g}"
-    how = _budget_how(budget)
-    if setting.compiled is not None:
-        name, how = f"{COMPILE} + {name}", f"{_compile_how(setting.compiled)}; {how}"
-    found.append(_Candidate(name, _with(setting, budget=budget), how))
-    return found
