@@ -1020,22 +1020,6 @@ def activation_memory_budget() -> float:
     return float(config.activation_memory_budget)
 
 
-@contextlib.contextmanager
-def activation_memory_budget_set(budget: float) -> Iterator[None]:
-    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` inside, and back as it was after.
-
-    Args:
-        budget: the share of activations inductor's partitioner keeps, in [0, 1].
-
-    Yields:
-        Nothing; the budget holds until the block ends.
-    """
-    from torch._functorch import config
-
-    with config.patch(activation_memory_budget=float(budget)):
-        yield
-
-
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """A nest of tuples, lists and dicts as its leaves and its shape (``torch.utils._pytree``, what AOT autograd uses).
 
