@@ -1,4 +1,4 @@
-"""The package's shape: imports point one way down the pipeline, and private APIs sit behind one adapter."""
+"""The package's shape: imports point one way down the pipeline, and private APIs sit behind the adapters."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from import_graph import PACKAGE, graph
 
 # Lower layers first; a module may import its own layer's modules and any below, never one above.
 LAYERS: list[tuple[str, ...]] = [
-    ("names", "units", "checks", "_private"),
+    ("names", "units", "checks", "_private", "_private_inductor"),
     ("core",),
     ("analysis",),
     ("monitor",),
@@ -77,7 +79,7 @@ PRIVATE_IMPORT = re.compile(r"^(torch|lightning)(\.\w+)*\._\w+|^torch\._")
 def test_private_torch_and_lightning_apis_only_in_the_adapter() -> None:
     offenders = []
     for path in sorted(SOURCE.rglob("*.py")):
-        if path.name == "_private.py":
+        if path.name.startswith("_private"):  # the adapters: _private.py, and _private_inductor.py for inductor's
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -109,8 +111,10 @@ _PRIVATE_ATTRIBUTES = {
 }
 
 
-def test_the_adapter_names_why_for_each_private_api() -> None:
-    tree = ast.parse((SOURCE / "_private.py").read_text())
+@pytest.mark.parametrize("adapter", ["_private.py", "_private_inductor.py"])
+def test_the_adapter_names_why_for_each_private_api(adapter: str) -> None:
+    tree = ast.parse((SOURCE / adapter).read_text())
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert functions
     assert [f.name for f in functions if not ast.get_docstring(f)] == []
+    assert sorted(p.name for p in SOURCE.rglob("_private*.py")) == ["_private.py", "_private_inductor.py"]

@@ -7,6 +7,8 @@ this file alone; each reader here degrades to "not measured" or a conservative a
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "TorchDispatchMode",
     "batches_that_stepped",
     "cast_source",
+    "checkpoints_tagged",
     "compile_session",
     "compiled_by_lightning",
     "compiled_in_place",
@@ -921,6 +924,70 @@ def compile_session() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def checkpoints_tagged() -> Iterator[None]:
+    """Activation checkpoints traced as Dynamo's ``tag_activation_checkpoint`` runs them: tagged, not replayed.
+
+    Dynamo turns ``checkpoint(fn, x, use_reentrant=False)`` into that higher-order op, whose implementation calls
+    ``checkpoint`` with a selective-checkpoint context that caches the region's outputs (no recomputation is traced)
+    and tags each of its nodes ``recompute=PREFER_RECOMPUTE`` with the region's ``ac_graph_id``; the partitioner
+    then recomputes the region in backward and saves the tensors at the regions' boundaries. Traced by AOT autograd
+    alone, a plain checkpoint replays the region under its saved-tensor hooks in the traced backward, but the replay
+    depends on no tangent, so the min-cut partitioner moves it back into the forward and saves what it would without
+    a checkpoint: the checkpoint is undone. ``use_reentrant=True`` runs its autograd Function instead, whose output
+    requires grad only where an input does (a batch does not), while the op runs it non-reentrant too. So, for this
+    block only, the generator behind a non-reentrant ``checkpoint`` and the reentrant one's Function (no public hook
+    reaches either) run as the op does.
+    """
+    from torch._higher_order_ops import wrap
+    from torch.fx import traceback as fx_traceback
+    from torch.utils import checkpoint as module
+
+    original = module._checkpoint_without_reentrant_generator
+
+    def as_the_op(
+        fn: Any,
+        preserve_rng_state: bool = True,
+        context_fn: Any = module.noop_context_fn,
+        determinism_check: str = module._DEFAULT_DETERMINISM_MODE,
+        debug: bool = False,
+        early_stop: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Iterator[None]:
+        if not module._is_compiling(fn, args, kwargs):
+            yield from original(
+                fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs
+            )
+            return
+        region = next(wrap.uid)
+        contexts = (
+            context_fn
+            if context_fn is not module.noop_context_fn
+            else functools.partial(module.create_selective_checkpoint_contexts, wrap._always_prefer_recompute)
+        )
+
+        def tagged() -> tuple[Any, Any]:
+            forward, recompute = contexts()
+            forward.ac_graph_id = region
+            return forward, recompute
+
+        with fx_traceback.preserve_node_meta():  # the region's tags end with it, as the op's call scopes them
+            yield from original(fn, False, tagged, determinism_check, False, False, *args, **kwargs)
+
+    def reentrant(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        return module.checkpoint(function, *args, use_reentrant=False)  # the op runs both kinds non-reentrant
+
+    function_class = module.CheckpointFunction
+    module._checkpoint_without_reentrant_generator = as_the_op
+    module.CheckpointFunction = types.SimpleNamespace(apply=reentrant)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._checkpoint_without_reentrant_generator = original
+        module.CheckpointFunction = function_class  # type: ignore[misc]
+
+
+@contextlib.contextmanager
 def without_modes() -> Iterator[None]:
     """Every mode and default saved-tensor hook off, and back as they were after: AOT autograd traces under its own.
 
@@ -1020,6 +1087,22 @@ def activation_memory_budget() -> float:
     return float(config.activation_memory_budget)
 
 
+@contextlib.contextmanager
+def activation_memory_budget_set(budget: float) -> Iterator[None]:
+    """``torch._functorch.config.activation_memory_budget`` set to ``budget`` inside, and back as it was after.
+
+    Args:
+        budget: the share of activations inductor's partitioner keeps, in [0, 1].
+
+    Yields:
+        Nothing; the budget holds until the block ends.
+    """
+    from torch._functorch import config
+
+    with config.patch(activation_memory_budget=float(budget)):
+        yield
+
+
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """A nest of tuples, lists and dicts as its leaves and its shape (``torch.utils._pytree``, what AOT autograd uses).
 
@@ -1078,3 +1161,47 @@ def fake_mode_of(tensor: Tensor) -> Any:
         Its mode, or None.
     """
     return tensor.fake_mode if isinstance(tensor, FakeTensor) else None
+
+
+class _ReadOut(torch.overrides.TorchFunctionMode):
+    """Raises ``error`` at ``Tensor.item()`` and ``tolist()``: Dynamo breaks there unless it captures scalars."""
+
+    def __init__(self, error: Any) -> None:
+        super().__init__()
+        self.error = error
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (Tensor.item, Tensor.tolist) and not torch._dynamo.config.capture_scalar_outputs:
+            raise self.error(f"Tensor.{func.__name__}()")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def dynamo_breaks_raise(error: Any) -> Iterator[None]:
+    """Dynamo's commonest graph breaks raising ``error(what)`` inside: ``torch._dynamo.graph_break()`` (a no-op
+    outside Dynamo), ``print`` (unless Dynamo is told to reorder it), ``Tensor.item()`` and ``tolist()`` (unless
+    Dynamo captures scalar outputs). A trace without Dynamo would go through each and join the graphs Dynamo
+    compiles apart.
+
+    Args:
+        error: the exception class to raise, called with what broke (``"print()"``, say).
+    """
+    import builtins
+
+    import torch._dynamo.decorators as decorators
+
+    def graph_break(msg: str = "") -> None:
+        raise error(f"torch._dynamo.graph_break({msg!r})" if msg else "torch._dynamo.graph_break()")
+
+    def printed(*args: Any, **kwargs: Any) -> None:
+        raise error("print()")
+
+    kept = torch._dynamo.graph_break, decorators.graph_break, builtins.print
+    torch._dynamo.graph_break = decorators.graph_break = graph_break
+    if print not in torch._dynamo.config.reorderable_logging_functions:
+        builtins.print = printed
+    try:
+        with _ReadOut(error):
+            yield
+    finally:
+        torch._dynamo.graph_break, decorators.graph_break, builtins.print = kept

@@ -2,17 +2,22 @@
 
 Inductor saves for backward what its partitioner (``min_cut_rematerialization_partition``) keeps, and recomputes
 cheap pointwise work instead of saving it; run eagerly, the same code saves far more. A dry run therefore traces
-each compiled callable of its fake copy with AOT autograd itself, under the dry run's fake tensors, and runs the
-traced forward and backward graphs value by value as inductor's generated code would allocate them: a pointwise
-value that inductor fuses into its readers is computed unseen by the tracker, every other value is a buffer freed
-after its last use, the saved tensors included. The trace runs with ``torch.compiler.is_compiling()`` true, as
+each compiled callable of its fake copy with AOT autograd itself, under the dry run's fake tensors. For a CPU target
+inductor's own ``compile_fx`` then compiles the graphs, its kernels left uncompiled, and its generated wrapper runs
+on the fake tensors (``_private_inductor``): the buffers are inductor's, allocated and freed in its order. For a GPU
+target, whose Triton kernels need Triton to plan, the graphs run value by value by a rule: a pointwise value that
+inductor fuses into its readers is computed unseen by the tracker, every other value is a buffer freed after its
+last use, the saved tensors included. The trace runs with ``torch.compiler.is_compiling()`` true, as
 Dynamo holds it, so library code (Hugging Face's masks) takes its compiled path. Dynamo never sees the user's code:
 no cache entry is added to their functions, no recompile counted, and the user's model compiles the same graphs
-afterwards.
+afterwards. Where Dynamo would break its graph (``torch._dynamo.graph_break()``, ``print``, ``Tensor.item()``, or
+code AOT autograd cannot trace), the callable runs eagerly and each of its submodules with parameters is traced as
+a graph of its own, as Dynamo's graphs between the breaks hold them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,23 +31,30 @@ from lightning_memtenants._private import (
     AOT_BACKENDS,
     activation_memory_budget,
     aot_inductor,
+    checkpoints_tagged,
     compile_session,
     compile_settings,
     compiled_by_lightning,
     compiled_in_place,
     compiled_original,
+    dynamo_breaks_raise,
     fake_like,
     fake_mode_of,
     flatten,
     unflatten,
     without_modes,
 )
+from lightning_memtenants._private_inductor import plan, set_aside
 
 EAGER_NOTE = "the model's torch.compile'd parts are predicted as they run eagerly"
 # The arguments a trace bakes in as they are: values that no call changes.
 CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 # The steps Lightning compiles along with ``forward``: they log, and Dynamo breaks its graph there; run eagerly.
 LIGHTNING_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+LIGHTNING_FIT = (
+    "compiled by Lightning's fit of torch.compile(module): run eagerly, its forward compiled; Dynamo compiles the"
+    " step's own code too, up to its first self.log, where its graph breaks"
+)
 
 
 class CompiledCall:
@@ -54,18 +66,31 @@ class CompiledCall:
         name: where it was found, for the notes.
         backend: the backend whose AOT autograd recipe traces it: one of ``_private.AOT_BACKENDS``.
         notes: where a callable AOT autograd refuses is named.
+        options: inductor's options to plan with (:func:`~lightning_memtenants._private_inductor.plan`); None to
+            run inductor's graphs by the fusion rule (a GPU target, whose Triton kernels need Triton to plan).
     """
 
-    def __init__(self, fn: Callable[..., Any], root: nn.Module, name: str, backend: str, notes: list[str]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        root: nn.Module,
+        name: str,
+        backend: str,
+        notes: list[str],
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.fn, self.root, self.name, self.backend, self.notes = fn, root, name, backend, notes
+        self.options = options
         self.traced: dict[Any, tuple[Any, _Traced]] = {}
         self.refused = False
 
     tracing = False  # while one traces, a compiled callable it calls is traced into it, as Dynamo inlines
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.refused or CompiledCall.tracing:
+        if CompiledCall.tracing:
             return self.fn(*args, **kwargs)
+        if self.refused:
+            return self._eagerly(args, kwargs)
         leaves, spec = flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         key = (
@@ -79,7 +104,7 @@ class CompiledCall:
         if entry is None:
             entry = self._trace(leaves, positions, spec)
             if entry is None:
-                return self.fn(*args, **kwargs)
+                return self._eagerly(args, kwargs)
             self.traced[key] = entry
         run, traced = entry
         outputs = list(run(*[leaves[i] for i in positions]))
@@ -87,6 +112,15 @@ class CompiledCall:
         for position, value in zip(traced.out_positions, outputs, strict=True):
             out[position] = value
         return unflatten(out, traced.out_spec)
+
+    def _eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The callable run eagerly, as between Dynamo's graphs: a value it reads out (``item()``) is a symbol that
+        no graph binds, which a later trace under the same shape environment would find pending.
+        """
+        tensors = [leaf for leaf in flatten((args, kwargs))[0] if isinstance(leaf, Tensor)]
+        env = getattr(next((m for m in map(fake_mode_of, tensors) if m is not None), None), "shape_env", None)
+        with env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext():
+            return self.fn(*args, **kwargs)
 
     def _trace(self, leaves: list[Any], positions: list[int], spec: Any) -> tuple[Any, _Traced] | None:
         traced = _Traced(self.fn, self.root, leaves, positions, spec)
@@ -99,11 +133,15 @@ class CompiledCall:
             with (
                 without_modes(),
                 compile_session(),
+                checkpoints_tagged(),  # a checkpointed region is tagged for recomputation, as Dynamo's op tags it
             ):  # AOT autograd traces under its own modes; the tracker sees the run
                 tensors = [*(leaves[i] for i in positions), *self.root.parameters()]
                 mode = next(m for m in map(fake_mode_of, tensors) if m is not None)
                 inputs = [fake_like(leaves[i], mode) for i in positions]
-                run = aot_inductor(traced, inputs, self.backend, _runner(graphs, self.backend))
+                if self.backend == "inductor" and self.options is not None:
+                    run, graphs = plan(traced, inputs, self.options)
+                else:
+                    run = aot_inductor(traced, inputs, self.backend, _runner(graphs, self.backend))
             traced.leaves = []  # the first call's tensors: kept, they would outlive their step
             if any(_sized_by_values(graph) for graph in graphs):
                 raise ValueError("a size that depends on a tensor's values")
@@ -114,8 +152,8 @@ class CompiledCall:
             owner = getattr(self.fn, "__self__", None)
             inner = self._descend(owner) if isinstance(owner, nn.Module) else []
             where = (
-                f"; its submodules {', '.join(inner)} are traced each on its own, as Dynamo's graphs after a break"
-                " hold them (the partition at their boundaries may differ)"
+                f"; its submodules {', '.join(inner)} are traced each on its own, as Dynamo's graphs between breaks"
+                " hold them (a graph that holds several, or code outside them, may be partitioned otherwise)"
                 if inner
                 else ""
             )
@@ -130,19 +168,21 @@ class CompiledCall:
         CompiledCall.tracing = False
         return run, traced
 
-    def _descend(self, module: nn.Module) -> list[str]:
+    def _descend(self, module: nn.Module, prefix: str = "") -> list[str]:
         """Trace the submodules with parameters of a module that refused, each on its own; their names."""
         names = []
         for name, child in module.named_children():
             if not any(True for _ in child.parameters()):
                 continue
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or "forward" in vars(child):
-                names += [f"{name}.{inner}" for inner in self._descend(child)]  # a container, or already wrapped
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or "forward" in vars(child):  # or wrapped already
+                names += [f"{name}.{inner}" for inner in self._descend(child, f"{prefix}{name}.")]
                 continue
             forward = types.MethodType(type(child).forward, child)
-            label = f"{self.name}/{name}"
-            child.__dict__["forward"] = CompiledCall(forward, self.root, label, self.backend, self.notes)
+            label = f"{self.name}/{prefix}{name}"
+            child.__dict__["forward"] = CompiledCall(forward, self.root, label, self.backend, self.notes, self.options)
             names.append(name)
+            if isinstance(child, nn.Sequential):  # called whole, one graph; indexed (``blocks[0](x)``), its blocks
+                names += [f"{name}.{inner}" for inner in self._descend(child, f"{prefix}{name}.")]
         return names
 
 
@@ -162,7 +202,9 @@ class _Traced(nn.Module):
         for position, tensor in zip(self.positions, tensors, strict=True):
             leaves[position] = tensor
         args, kwargs = unflatten(leaves, self.spec)
-        out_leaves, self.out_spec = flatten(self.fn(*args, **kwargs))
+        with dynamo_breaks_raise(GraphBreak):  # the user's code only: inductor's passes may read a constant
+            out = self.fn(*args, **kwargs)
+        out_leaves, self.out_spec = flatten(out)
         self.out_positions = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, Tensor)]
         self.out_leaves = [None if isinstance(leaf, Tensor) else leaf for leaf in out_leaves]
         return tuple(out_leaves[i] for i in self.out_positions)
@@ -257,6 +299,10 @@ class _Fused(torch.fx.Interpreter):
         return super().run_node(n)
 
 
+class GraphBreak(Exception):
+    """Code where Dynamo breaks its graph, met in a trace: Dynamo splits the graph there, AOT autograd cannot."""
+
+
 def _sized_by_values(graph: Any) -> bool:
     """Whether a traced graph holds a tensor whose size is symbolic: its values decide it (``nonzero``, a mask).
 
@@ -265,7 +311,7 @@ def _sized_by_values(graph: Any) -> bool:
     return any(free_unbacked_symbols(node.meta.get("val")) for node in graph.graph.nodes)
 
 
-def predict_compiled(fake: nn.Module, original: nn.Module | None) -> CompiledParts:
+def predict_compiled(fake: nn.Module, original: nn.Module | None, gpu: bool = False) -> CompiledParts:
     """Make each ``torch.compile``'d callable of the fake copy run as inductor would compile it; say what was done.
 
     Every compiled callable kept in a module's attributes is found: an ``OptimizedModule``'s ``forward``, a
@@ -278,6 +324,8 @@ def predict_compiled(fake: nn.Module, original: nn.Module | None) -> CompiledPar
     Args:
         fake: the fake copy of the model (from :func:`~lightning_memtenants.predict.fake.fake_module`).
         original: the user's model it was copied from, or None where the copy was built from a callable.
+        gpu: whether the prediction is for a GPU: inductor's graphs then run by the fusion rule, as planning
+            Triton's kernels needs Triton; on the CPU they run as inductor's own wrapper allocates.
 
     Returns:
         The notes for the prediction (none where nothing is compiled), and the list the step's refusals go to.
@@ -299,6 +347,7 @@ def predict_compiled(fake: nn.Module, original: nn.Module | None) -> CompiledPar
     compiled: list[str] = []
     eager: list[str] = []
     options_seen: list[tuple[str, dict[str, Any], bool]] = []
+    aside: set[str] = set()
     for path, module in fake.named_modules():
         mine = originals.get(id(module))
         # a pickled or copied module drops its Module.compile() call: the user's module still holds it
@@ -316,15 +365,32 @@ def predict_compiled(fake: nn.Module, original: nn.Module | None) -> CompiledPar
                 if backend is None or attribute == "training_step":
                     eager.append(f"{name} ({settings[0]})")
                 continue
-            module.__dict__[attribute] = CompiledCall(fn, fake, name, backend, parts.refused)
+            options = None
+            if backend == "inductor" and not gpu:
+                options, unused = set_aside(settings[1])
+                aside.update(unused)
+            call = CompiledCall(fn, fake, name, backend, parts.refused, options)
+            module.__dict__[attribute] = call
+            lightning = _lightning_inside(module) if attribute == "forward" else None
+            if lightning is not None:  # Lightning's fit compiles what torch.compile wrapped, forward and steps
+                forward = types.MethodType(type(lightning).forward, lightning)
+                lightning.__dict__["forward"] = CompiledCall(forward, fake, name, backend, parts.refused, options)
+                eager.append(f"{type(lightning).__name__}.training_step ({settings[0]}, {LIGHTNING_FIT})")
             compiled.append(name)
             options_seen.append(settings)
     if compiled:
-        notes.insert(0, _compiled_note(compiled, options_seen))
+        notes.insert(0, _compiled_note(compiled, options_seen, gpu, sorted(aside)))
     if eager or (not compiled and any(compiled_in_place(m) or compiled_by_lightning(m) for m in fake.modules())):
         what = f" ({', '.join(eager)})" if eager else ""
         notes.append(f"{EAGER_NOTE}{what}; inductor's kernels may save and allocate other tensors")
     return parts
+
+
+def _lightning_inside(module: nn.Module) -> nn.Module | None:
+    """The LightningModule an ``OptimizedModule`` wraps, which Lightning's fit compiles itself; None for another."""
+    inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" else None
+    steps = callable(getattr(inner, "training_step", None)) and callable(getattr(inner, "configure_optimizers", None))
+    return inner if isinstance(inner, nn.Module) and steps else None
 
 
 def _rebound(fn: Callable[..., Any], copies: dict[int, nn.Module]) -> Callable[..., Any]:
@@ -335,17 +401,33 @@ def _rebound(fn: Callable[..., Any], copies: dict[int, nn.Module]) -> Callable[.
     return fn
 
 
-def _compiled_note(names: list[str], settings: list[tuple[str, dict[str, Any], bool]]) -> str:
-    """What the compiled parts were predicted with: the partitioner, the memory budget, the CUDA graphs not modelled."""
+def _compiled_note(
+    names: list[str], settings: list[tuple[str, dict[str, Any], bool]], gpu: bool, aside: list[str]
+) -> str:
+    """What the compiled parts were predicted with: the partitioner, the memory budget, how the graphs allocate."""
     budget = activation_memory_budget()
     backends = sorted({backend for backend, _, _ in settings})
     note = (
         f"torch.compile'd {', '.join(names)} ({', '.join(backends)}) predicted as compiled: traced with AOT autograd"
         " (no Dynamo); what the forward saves for backward is inductor's partitioner's choice"
-        f" (min_cut_rematerialization_partition, activation_memory_budget={budget:g}); inside the compiled graphs,"
-        " a pointwise value read only by pointwise operators or reductions is taken as fused (never allocated), and"
-        " every other value, input or not, is freed after its last use, as inductor's generated code does"
+        f" (min_cut_rematerialization_partition, activation_memory_budget={budget:g})"
     )
+    if "inductor" in backends and not gpu:
+        note += (
+            "; inside the compiled graphs, buffers are allocated and freed as inductor's own generated wrapper does"
+            " (its scheduler's fusions and buffer reuse; the kernels themselves are not compiled)"
+        )
+    elif "inductor" in backends:
+        note += (
+            "; inside the compiled graphs, a pointwise value read only by pointwise operators or reductions is"
+            " taken as fused (never allocated), and every other value, input or not, is freed after its last use:"
+            " planning Triton's own buffers needs Triton"
+        )
+    if aside:
+        note += (
+            f"; set aside in the plan: {', '.join(aside)} (kernels chosen by timing them, CUDA graphs, a C++"
+            " wrapper: buffers as without them)"
+        )
     if any(backend.startswith("aot_eager") for backend in backends):
         note += "; the aot_eager backends trace as torch registers them (their own partitioner and decompositions)"
     if any(options.get("triton.cudagraphs") for _, options, _ in settings):

@@ -466,7 +466,7 @@ def _run(
             routes.settle = source.tracker.settle  # a synchronize in the step sees the frees made before it
         # compiled parts run as inductor's code allocates (predict/compiled.py) or eagerly: the tracker sees them
         source.sees_compiled_code = True
-        compiled = predict_compiled(fake, model if isinstance(model, nn.Module) else None)
+        compiled = predict_compiled(fake, model if isinstance(model, nn.Module) else None, gpu_target is not None)
         notes.extend(compiled.notes)
         # on a GPU the step counters are host tensors (the tracker's HOST_OPS): in no tenant, nor the formula
         host_state = host_state_names if gpu_target is not None else None
