@@ -1178,28 +1178,34 @@ class _ReadOut(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def dynamo_breaks_raise(error: Any) -> Iterator[None]:
-    """Dynamo's commonest graph breaks raising ``error(what)`` inside: ``torch._dynamo.graph_break()`` (a no-op
-    outside Dynamo), ``print`` (unless Dynamo is told to reorder it), ``Tensor.item()`` and ``tolist()`` (unless
-    Dynamo captures scalar outputs). A trace without Dynamo would go through each and join the graphs Dynamo
-    compiles apart.
+    """Dynamo's commonest graph breaks raising ``error(what)`` inside, in this thread: ``torch._dynamo.graph_break()``
+    (a no-op outside Dynamo), ``print`` (unless Dynamo is told to reorder it), ``Tensor.item()`` and ``tolist()``
+    (unless Dynamo captures scalar outputs). A trace without Dynamo would go through each and join the graphs
+    Dynamo compiles apart. Another thread's calls go on as they were.
 
     Args:
         error: the exception class to raise, called with what broke (``"print()"``, say).
     """
     import builtins
+    import threading
 
     import torch._dynamo.decorators as decorators
 
-    def graph_break(msg: str = "") -> None:
-        raise error(f"torch._dynamo.graph_break({msg!r})" if msg else "torch._dynamo.graph_break()")
+    owner = threading.get_ident()
+    reorderable = torch._dynamo.config.reorderable_logging_functions
 
-    def printed(*args: Any, **kwargs: Any) -> None:
-        raise error("print()")
+    def breaking(what: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != owner:
+                return original(*args, **kwargs)
+            raise error(what)
+
+        return call
 
     kept = torch._dynamo.graph_break, decorators.graph_break, builtins.print
-    torch._dynamo.graph_break = decorators.graph_break = graph_break
-    if print not in torch._dynamo.config.reorderable_logging_functions:
-        builtins.print = printed
+    torch._dynamo.graph_break = decorators.graph_break = breaking("torch._dynamo.graph_break()", kept[1])
+    if print not in reorderable:
+        builtins.print = breaking("print()", builtins.print)
     try:
         with _ReadOut(error):
             yield
