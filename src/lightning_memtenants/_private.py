@@ -1176,23 +1176,31 @@ class _ReadOut(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# The logging methods Dynamo breaks its graph at; Hugging Face adds ``warning_once`` to ``logging.Logger``.
+LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once")
+
+
 @contextlib.contextmanager
 def dynamo_breaks_raise(error: Any) -> Iterator[None]:
     """Dynamo's commonest graph breaks raising ``error(what)`` inside, in this thread: ``torch._dynamo.graph_break()``
-    (a no-op outside Dynamo), ``print`` (unless Dynamo is told to reorder it), ``Tensor.item()`` and ``tolist()``
-    (unless Dynamo captures scalar outputs). A trace without Dynamo would go through each and join the graphs
-    Dynamo compiles apart. Another thread's calls go on as they were.
+    (a no-op outside Dynamo), ``print`` and a ``logging.Logger`` method called from outside torch (unless Dynamo is
+    told to reorder or ignore them; torch's own logging, as it traces, is not the user's code), ``Tensor.item()``
+    and ``tolist()`` (unless Dynamo captures scalar outputs). A trace without Dynamo would go through each and join
+    the graphs Dynamo compiles apart. Another thread's calls go on as they were.
 
     Args:
         error: the exception class to raise, called with what broke (``"print()"``, say).
     """
     import builtins
+    import logging
+    import os
+    import sys
     import threading
 
     import torch._dynamo.decorators as decorators
 
     owner = threading.get_ident()
-    reorderable = torch._dynamo.config.reorderable_logging_functions
+    reorderable = torch._dynamo.config.reorderable_logging_functions | torch._dynamo.config.ignore_logging_functions
 
     def breaking(what: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -1202,8 +1210,23 @@ def dynamo_breaks_raise(error: Any) -> Iterator[None]:
 
         return call
 
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def logged(name: str, original: Any) -> Any:  # torch's own logging, tracing, is not the user's code
+        def call(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if threading.get_ident() != owner or caller.startswith(torch_dir) or caller == logging.__file__:
+                return original(*args, **kwargs)
+            raise error(f"logging.Logger.{name}() in {caller.split('site-packages' + os.sep)[-1]}")
+
+        return call
+
+    loggers = {name: vars(logging.Logger)[name] for name in LOGGER_METHODS if name in vars(logging.Logger)}
     kept = torch._dynamo.graph_break, decorators.graph_break, builtins.print
     torch._dynamo.graph_break = decorators.graph_break = breaking("torch._dynamo.graph_break()", kept[1])
+    for name, method in loggers.items():
+        if method not in reorderable:
+            setattr(logging.Logger, name, logged(name, method))
     if print not in reorderable:
         builtins.print = breaking("print()", builtins.print)
     try:
@@ -1211,3 +1234,5 @@ def dynamo_breaks_raise(error: Any) -> Iterator[None]:
             yield
     finally:
         torch._dynamo.graph_break, decorators.graph_break, builtins.print = kept
+        for name, method in loggers.items():
+            setattr(logging.Logger, name, method)
