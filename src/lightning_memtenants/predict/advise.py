@@ -20,7 +20,15 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import Unpack
 
-from lightning_memtenants._private import FakeTensor, TorchDispatchMode
+from lightning_memtenants._private import (
+    FakeTensor,
+    TorchDispatchMode,
+    activation_memory_budget,
+    activation_memory_budget_set,
+    compiled_by_lightning,
+    compiled_in_place,
+    compiled_original,
+)
 from lightning_memtenants.analysis.forecast import limit_bytes
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors, storage_key
@@ -37,6 +45,11 @@ FOREACH = "foreach=False"
 FUSED = "fused=True"
 SGD = "SGD with momentum"
 ADAFACTOR = "Adafactor"
+COMPILE = "torch.compile"
+MEMORY_BUDGET = "activation_memory_budget"
+# A grid of activation_memory_budget values to search, as the note suggests where none is given: each is a compiled
+# dry run of its own, the peak not being monotone in the budget (pytorch issue 197838).
+BUDGET_GRID = (0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 # Adafactor's learning rate where the model's optimizer gives none (torch's default).
 ADAFACTOR_LR = 1e-2
 
@@ -136,6 +149,8 @@ def advise(
     margin: float = 0.05,
     make_batch: Callable[[int], Any] | None = None,
     fsdp_ranks: Sequence[int] = (),
+    compile_fixes: bool = False,
+    activation_memory_budgets: Sequence[float] = (),
     **options: Unpack[PredictOptions],
 ) -> Advice:
     """Measure each candidate fix for a step by dry runs, against a budget: what each one's peak would be.
@@ -147,8 +162,11 @@ def advise(
     micro-batch with ``accumulate_grad_batches`` keeping the effective batch, the largest that fits (not under
     manual optimization, where Lightning refuses the accumulation); the optimizer's implementation
     (``foreach=False``, ``fused=True``) where it takes them; cheaper optimizers (SGD with momentum, Adafactor),
-    marked as changing training, the schedulers moved onto them; FSDP2 over ``fsdp_ranks`` ranks; and where no fix
-    that keeps the batch and the training fits, combinations of bf16-mixed, checkpointing and the micro-batch.
+    marked as changing training, the schedulers moved onto them; FSDP2 over ``fsdp_ranks`` ranks; ``torch.compile``
+    (with ``compile_fixes``, where nothing is compiled yet), and ``activation_memory_budget = x`` for the compiled
+    step, the largest of ``activation_memory_budgets`` that fits (every value its own dry run: the peak is not
+    monotone in it); and where no fix that keeps the batch and the training fits, combinations of bf16-mixed,
+    checkpointing and the micro-batch.
     Where the baseline fits already, each candidate shows what it would save: checkpointing every block, half the
     micro-batch. A smaller batch per device is marked as changing training where the step sees the batch as a
     whole (BatchNorm in training mode, a batch x batch product such as a contrastive loss's).
@@ -176,6 +194,13 @@ def advise(
             batch's tensors are cut along their leading size (a callable ``batch`` then has no micro-batch).
         fsdp_ranks: the rank counts to try FSDP2 over (e.g. ``(2, 4, 8)``), the effective batch kept; none by
             default (each is a dry run of every class of ranks).
+        compile_fixes: measure ``torch.compile`` (where nothing is compiled yet) and, with
+            ``activation_memory_budgets``, the budget for it; off by default, as a compiled dry run costs several
+            eager ones.
+        activation_memory_budgets: the values of ``torch._functorch.config.activation_memory_budget`` to try for
+            the compiled step, each in [0, 1] (e.g. ``BUDGET_GRID``, ``(0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0)``);
+            none by default, as each is a compiled dry run, several times an eager one. The user's budget is as it
+            was after.
         **options: see :class:`~lightning_memtenants.predict.dryrun.PredictOptions`, the step's own settings
             (``loss_fn``, ``optimizer``, ``precision``, ``target``, ``accumulate_grad_batches``...); every dry
             run is of two steps, so ``steps`` is not one of them.
@@ -185,7 +210,8 @@ def advise(
 
     Raises:
         ValueError: naming the argument, for a bad ``budget_bytes``, ``margin``, ``make_batch``, ``fsdp_ranks``,
-            ``steps``, ``strategy`` or ``world_size``, or as ``dry_run`` for a bad model, batch or option.
+            ``activation_memory_budgets``, ``steps``, ``strategy`` or ``world_size``, or as ``dry_run`` for a bad
+            model, batch or option.
         TypeError: for an option that does not exist.
 
     Example::
@@ -208,12 +234,16 @@ def advise(
     ranks = tuple(fsdp_ranks) if isinstance(fsdp_ranks, (list, tuple)) else None
     if ranks is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in ranks):
         raise ValueError(f"fsdp_ranks must be a list of rank counts of 2 or more, got {brief(fsdp_ranks)}")
+    budgets = _budgets(activation_memory_budgets)
+    if not isinstance(compile_fixes, bool):
+        raise ValueError(f"compile_fixes must be True or False, got {brief(compile_fixes)}")
     spread = options.get("strategy") is not None or options.get("world_size", 1) != 1
     if spread or options.get("tensor_parallel", 1) != 1:
         raise ValueError(
             "strategy, world_size and tensor_parallel: advise measures one device's step; give fsdp_ranks for FSDP"
         )
-    runner = _Runner(model, batch, make_batch, dict(options), limit, tuple(sorted(set(ranks))))
+    runner = _Runner(model, batch, make_batch, dict(options), limit, tuple(sorted(set(ranks))), budgets)
+    runner.compile_fixes = compile_fixes
     baseline = runner.baseline()  # the user's own step: where it fails, advise fails with its error
     fixes, notes = _candidates(runner)
     measured = _measure_all(runner, baseline, limit, fixes, notes)
@@ -323,6 +353,8 @@ class _Setting:
     micro: int | None = None  # None: the batch as given
     optimizer: _OptimizerChange | None = None
     ranks: int = 1  # above 1: FSDP2 over this many ranks, each with the micro-batch
+    compiled: tuple[str, ...] | None = None  # the modules compiled in place (``module.compile()``); "" is the root
+    budget: float | None = None  # torch._functorch.config.activation_memory_budget in the dry run; None: as it is
 
 
 @dataclass(frozen=True)
@@ -344,9 +376,11 @@ class _Runner:
         options: dict,
         limit: int,
         fsdp_ranks: tuple[int, ...] = (),
+        budgets: tuple[float, ...] = (),
     ) -> None:
         self.model, self.batch, self.make_batch, self.limit = model, batch, make_batch, limit
-        self.fsdp_ranks = fsdp_ranks
+        self.fsdp_ranks, self.budgets = fsdp_ranks, budgets
+        self.compile_fixes = False  # torch.compile measured where nothing is compiled yet
         self.options = options
         precision = options.get("precision", DEFAULTS["precision"])
         accumulate = options.get("accumulate_grad_batches", DEFAULTS["accumulate_grad_batches"])
@@ -362,6 +396,8 @@ class _Runner:
         self.squares: dict[int | None, set[int]] = {}  # by micro-batch (None: as given): n of n x n products seen
         self.unsafe_blocks: list[str] = []  # blocks whose recomputation would differ: never checkpointed
         self.bad_argument: BaseException | None = None  # what make_batch raised, raised by advise as it is
+        self.compiled = isinstance(model, nn.Module) and _has_compiled(model)  # the user compiled parts already
+        self.lightning = options.get("loss_fn") is None
 
     def baseline(self) -> int:
         """The step's own peak; its dry run checks every argument, finds the batch size and sees the optimizers."""
@@ -420,6 +456,10 @@ class _Runner:
             if lightning and callable(step):
                 fake.training_step = lambda *a, **k: self._watched((a, k), squares, lambda: step(*a, **k))  # type: ignore[method-assign]
             modules(fake)
+            if record:
+                self.compiled |= _has_compiled(fake)
+            if setting.compiled is not None:
+                _compile_in_place(fake, setting.compiled)
             if prepare is not None:
                 prepare(fake)
             configure = getattr(fake, "configure_optimizers", None)
@@ -427,7 +467,10 @@ class _Runner:
                 fake.configure_optimizers = lambda: _map_optimizers(configure(), self._seen)  # type: ignore[method-assign]
 
         batch = self.batch if setting.micro is None else self.micro_batch(setting.micro)
-        return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
+        if setting.budget is None:
+            return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
+        with activation_memory_budget_set(setting.budget):  # the user's config as it was after
+            return _frozen(self.model, batch, options, timeline=False, prepare=prepared)  # type: ignore[arg-type]
 
     def _watched(self, batch: Any, squares: set[int], run: Callable[[], Any]) -> Any:
         """``run()``, the user's step on ``batch``, with what makes its result depend on the whole batch noted."""
@@ -735,6 +778,7 @@ def _candidates(runner: _Runner) -> tuple[list[_Candidate], list[str]]:
     found.append(_attempt(runner, notes, MICRO_BATCH, lambda: _micro_candidate(runner, base, notes)))
     found += _attempt(runner, notes, "the optimizer", lambda: _optimizer_candidates(runner, base, notes)) or []
     found.append(_attempt(runner, notes, "FSDP over N ranks", lambda: _fsdp_candidate(runner, base, notes)))
+    found += _attempt(runner, notes, COMPILE, lambda: _compile_candidates(runner, base, notes)) or []
     return [candidate for candidate in found if candidate is not None], notes
 
 
@@ -1022,6 +1066,8 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         kwargs["devices"] = setting.ranks
     change = setting.optimizer if runner.configured else None
     apply = _module_change(setting.blocks, change, dry=False) if setting.blocks or change is not None else None
+    if setting.compiled is not None:
+        apply = _compile_change(setting.compiled)
     batch_note = runner.training_change(setting)
     notes = [*(["it changes training: another optimizer trains differently"] if candidate.changes_training else [])]
     notes += [batch_note] if batch_note else []
@@ -1037,3 +1083,137 @@ def _measured(runner: _Runner, baseline: int, limit: int, candidate: _Candidate)
         changes_training=bool(notes),
         training_note="; ".join(notes),
     )
+
+
+# -- torch.compile, and inductor's activation_memory_budget -----------------------------------------------------------
+
+
+def _has_compiled(module: nn.Module) -> bool:
+    """Whether any part of ``module`` is ``torch.compile``'d: a module compiled in place or wrapped, a compiled
+    method or helper kept in an attribute, a LightningModule Lightning compiled."""
+    return any(
+        compiled_in_place(m)
+        or compiled_by_lightning(m)
+        or any(compiled_original(v) is not None for v in vars(m).values())
+        for m in module.modules()
+    )
+
+
+def _compile_targets(runner: _Runner) -> tuple[str, ...]:
+    """What to compile as a user would: the whole model where the step calls it (a loss function's model), else each
+    of the LightningModule's blocks (its ``training_step`` need not call ``forward``, and Lightning runs the step
+    itself eagerly)."""
+    if not runner.lightning:
+        return ("",)
+    model = runner.model
+    if not isinstance(model, nn.Module):
+        return ("",)
+    return tuple(name for name, _ in _blocks(model))
+
+
+def _compile_in_place(module: nn.Module, names: tuple[str, ...]) -> None:
+    """``target.forward = torch.compile(target.forward)`` on each named submodule ("" is ``module`` itself), as the
+    user's fix does; its parameters keep their names. Not ``Module.compile()``: on torch 2.13 Dynamo skips the
+    frame it compiles where the module's forward is torch's own (an ``nn.Sequential`` of ``nn.Linear``), which then
+    runs eagerly. Nothing is compiled until it is called; a dry run traces the compiled calls (``predict.compiled``).
+    """
+    for name in names:
+        target = module.get_submodule(name) if name else module
+        if not compiled_in_place(target) and compiled_original(target.__dict__.get("forward")) is None:
+            target.forward = torch.compile(target.forward)  # type: ignore[method-assign]
+
+
+def _compile_change(names: tuple[str, ...]) -> Callable[[nn.Module], None]:
+    """The ``torch.compile`` fix's ``apply``: the named submodules compiled in place."""
+
+    def apply(module: nn.Module) -> None:
+        _check_module(module)
+        _compile_in_place(module, names)
+
+    return apply
+
+
+def _compile_how(names: tuple[str, ...]) -> str:
+    if names == ("",):
+        return "model.forward = torch.compile(model.forward) before the step runs, as fix.apply(model) does"
+    listed = ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more"
+    return f"block.forward = torch.compile(block.forward) for {listed}, as fix.apply(model) does"
+
+
+def _budget_how(budget: float) -> str:
+    return (
+        f"set torch._functorch.config.activation_memory_budget = {budget:g} before the fit (inductor's partitioner"
+        " then recomputes more of the forward in backward instead of saving it)"
+    )
+
+
+def _budgets(given: Any) -> tuple[float, ...]:
+    """``activation_memory_budgets`` checked: values in [0, 1], largest first, each once."""
+    values = tuple(given) if isinstance(given, (list, tuple)) else None
+    if values is None or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1 for b in values):
+        raise ValueError(f"activation_memory_budgets must be a list of values in [0, 1], got {brief(given)}")
+    return tuple(sorted({float(b) for b in values}, reverse=True))
+
+
+def _budget_to_set(runner: _Runner, setting: _Setting, fits_now: bool) -> float:
+    """The ``activation_memory_budget`` to set: the largest of ``runner.budgets`` whose step fits.
+
+    The peak is not monotone in the budget (pytorch issue 197838: a smaller budget can peak higher), so no budget
+    is taken to fit because another does: each is a dry run of its own, largest first, until one fits (every larger
+    one was run and does not). Where none fits, or the step fits already (``fits_now``: what each would save), the
+    budget with the lowest peak, the largest of equals.
+    """
+    current = activation_memory_budget()
+
+    def at(budget: float) -> _Setting:
+        return _with(setting, budget=None if budget == current else budget)  # the budget set now: the setting's own
+
+    if not fits_now:
+        for budget in runner.budgets:
+            if runner.fits(at(budget)):
+                return budget
+    return min(runner.budgets, key=lambda budget: (runner.peak(at(budget)), -budget))
+
+
+def _compile_candidates(runner: _Runner, base: _Setting, notes: list[str]) -> list[_Candidate]:
+    """``torch.compile`` (where nothing is compiled yet), and the ``activation_memory_budget`` to set for the
+    compiled step where ``activation_memory_budgets`` are given.
+
+    The compiled step is predicted as inductor compiles it (``predict.compiled``: AOT autograd, inductor's
+    partitioner and, on a CPU target, its own buffer planning, under the dry run's fake tensors); a budget's dry
+    run sets it only while it runs.
+    """
+    found = []
+    setting = base
+    if not runner.compiled:
+        if not runner.compile_fixes:
+            notes.append(f"{COMPILE}: give compile_fixes=True to measure it (a compiled dry run, several eager ones)")
+            return []
+        names = _compile_targets(runner)
+        if not names:
+            notes.append(f"{COMPILE}: the model has no blocks a dry run could compile")
+            return []
+        setting = _with(base, compiled=names)
+        found.append(_Candidate(COMPILE, setting, _compile_how(names)))
+    current = activation_memory_budget()
+    if not runner.budgets:
+        grid = ", ".join(f"{budget:g}" for budget in BUDGET_GRID)
+        notes.append(
+            f"{MEMORY_BUDGET}: give activation_memory_budgets=({grid}) to search the budget for the compiled step"
+            f" (now {current:g}), one compiled dry run each"
+        )
+        return found
+    fits_now = runner.fits(base)
+    if not fits_now and runner.fits(setting):
+        notes.append(f"{MEMORY_BUDGET}: the compiled step fits at the budget set now ({current:g})")
+        return found
+    budget = _budget_to_set(runner, setting, fits_now)
+    if budget == current or runner.peak(_with(setting, budget=budget)) >= runner.peak(setting):
+        notes.append(f"{MEMORY_BUDGET}: no budget tried peaks lower than the one set now ({current:g})")
+        return found
+    name = f"{MEMORY_BUDGET} = {budget:g}"
+    how = _budget_how(budget)
+    if setting.compiled is not None:
+        name, how = f"{COMPILE} + {name}", f"{_compile_how(setting.compiled)}; {how}"
+    found.append(_Candidate(name, _with(setting, budget=budget), how))
+    return found
