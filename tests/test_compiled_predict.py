@@ -169,10 +169,25 @@ def test_a_module_compiled_in_place_and_a_compiled_helper_are_predicted_as_compi
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.run(x)
 
-    for model, where in ((in_place, "Sequential._compiled_call_impl"), (Helper(), "Helper.run")):
-        prediction = predict(model, BATCH, loss_fn=square_loss)
-        assert prediction.tenants_bytes["activations"] == real["compiled"]  # the same graph as the whole model's
-        assert any(f"torch.compile'd {where} (inductor) predicted as compiled" in n for n in prediction.notes)
+    prediction = predict(Helper(), BATCH, loss_fn=square_loss)
+    assert prediction.tenants_bytes["activations"] == real["compiled"]  # the same graph as the whole model's
+    assert any("torch.compile'd Helper.run (inductor) predicted as compiled" in n for n in prediction.notes)
+    # Module.compile() of an nn.Sequential: Dynamo skips torch's own frames and compiles each block's forward, a
+    # graph per block, which saves each block's output apart; of torch's modules alone, it compiles nothing
+    torch_only = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    torch_only.compile()
+    for model, graphs in ((in_place, 2), (torch_only, 0)):  # the three blocks share code: two graphs, one recompile
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        saved = real_step(model, model)[0]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        torch._dynamo.reset()
+        assert predict(model, BATCH, loss_fn=square_loss).tenants_bytes["activations"] == saved
+    assert saved == (64 * 1024 + 64 * 1024 + 64 * 256) * FLOAT  # eagerly: GELU's input and output, pow's input
+    blocks = predict(in_place, BATCH, loss_fn=square_loss).notes
+    assert any("Sequential._compiled_call_impl/0, Sequential._compiled_call_impl/1" in n for n in blocks)
+    eager = predict(torch_only, BATCH, loss_fn=square_loss).notes
+    assert any("Module.compile() of a module of torch's own: Dynamo skips its frames" in n for n in eager)
 
 
 class Picks(nn.Module):

@@ -18,6 +18,7 @@ a graph of its own, as Dynamo's graphs between the breaks hold them.
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from lightning_memtenants._private_inductor import plan, set_aside
 EAGER_NOTE = "the model's torch.compile'd parts are predicted as they run eagerly"
 # The arguments a trace bakes in as they are: values that no call changes.
 CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+TORCH_DIR = os.path.dirname(torch.__file__)
+TORCH_FRAMES = "Module.compile() of a module of torch's own: Dynamo skips its frames and compiles nothing"
 # The steps Lightning compiles along with ``forward``: they log, and Dynamo breaks its graph there; run eagerly.
 LIGHTNING_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 LIGHTNING_FIT = (
@@ -369,6 +372,19 @@ def predict_compiled(fake: nn.Module, original: nn.Module | None, gpu: bool = Fa
             if backend == "inductor" and not gpu:
                 options, unused = set_aside(settings[1])
                 aside.update(unused)
+            if attribute == "_compiled_call_impl" and _torch_code(module):
+                module.__dict__[attribute] = fn  # Dynamo skips torch's own frames, compiles the first of the user's
+                frames = _user_frames(module)
+                for inner, child in frames:
+                    forward = types.MethodType(type(child).forward, child)
+                    label = f"{name}/{inner}"
+                    child.__dict__["forward"] = CompiledCall(forward, fake, label, backend, parts.refused, options)
+                    compiled.append(label)
+                if frames:
+                    options_seen.append(settings)
+                else:
+                    eager.append(f"{name} ({settings[0]}, {TORCH_FRAMES})")
+                continue
             call = CompiledCall(fn, fake, name, backend, parts.refused, options)
             module.__dict__[attribute] = call
             lightning = _lightning_inside(module) if attribute == "forward" else None
@@ -384,6 +400,25 @@ def predict_compiled(fake: nn.Module, original: nn.Module | None, gpu: bool = Fa
         what = f" ({', '.join(eager)})" if eager else ""
         notes.append(f"{EAGER_NOTE}{what}; inductor's kernels may save and allocate other tensors")
     return parts
+
+
+def _torch_code(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` is torch's own code (``nn.Linear``, ``nn.Sequential``), whose frame Dynamo
+    skips when it is where a compile starts (``Module.compile()`` compiles the module's call)."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and code.co_filename.startswith(TORCH_DIR)
+
+
+def _user_frames(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The outermost submodules whose ``forward`` is not torch's own: the frames Dynamo compiles, each on its own,
+    under a ``Module.compile()`` of a module of torch's."""
+    found = []
+    for name, child in module.named_children():
+        if _torch_code(child):
+            found += _user_frames(child, f"{prefix}{name}.")
+        else:
+            found.append((f"{prefix}{name}", child))
+    return found
 
 
 def _lightning_inside(module: nn.Module) -> nn.Module | None:
