@@ -207,6 +207,16 @@ class KernelFakeMode(FakeTensorMode):
     own. One ``is`` test per operator, inside the mode that already handles it (no second dispatch mode).
     """
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> KernelFakeMode:
+        """The mode itself: a deep copy of a fake tensor (``copy.deepcopy`` of a model, of a known tensor's twin)
+        stays in the dry run's mode.
+
+        torch's own copies the mode, and with it its converter's ``StorageWeakRef`` keys without taking their weak
+        references: each copy frees them again, a storage is freed while still referenced and the process crashes
+        (once an AOT trace has lifted a constant, as the Philox state's ``torch.tensor(())``).
+        """
+        return self
+
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _GROUPED_MM:
             kwargs = kwargs or {}
