@@ -513,6 +513,14 @@ def test_advise_refuses_bad_input_in_one_line(tmp_path: Path, user_module: str, 
         ((f"{user_module}:Model", "--budget", "1GiB", "--json", str(tmp_path)), "is a directory"),
         ((f"{user_module}:Model", "--budget", "1GiB", "--fsdp-ranks", "1,2"), "--fsdp-ranks: rank counts must be 2"),
         ((f"{user_module}:Model", "--budget", "1GiB", "--fsdp-ranks", "two"), "--fsdp-ranks: must be rank counts"),
+        (
+            (f"{user_module}:Model", "--budget", "1GiB", "--activation-memory-budgets", "0.5,1.5"),
+            "--activation-memory-budgets: each value must be in [0, 1]",
+        ),
+        (
+            (f"{user_module}:Model", "--budget", "1GiB", "--activation-memory-budgets", "half"),
+            "--activation-memory-budgets: must be values in [0, 1] separated by commas, or grid",
+        ),
     ]
     for args, expected in cases:
         run = cli("advise", *args)

@@ -33,7 +33,7 @@ from torch import nn
 from lightning_memtenants.analysis.budget import Budget
 from lightning_memtenants.checks import brief
 from lightning_memtenants.core.storage import batch_tensors
-from lightning_memtenants.predict.advise import Advice, advise
+from lightning_memtenants.predict.advise import BUDGET_GRID, Advice, advise
 from lightning_memtenants.predict.allocator import AllocatorSettings
 from lightning_memtenants.predict.cuda_model import TARGET_HELP, CudaTarget, resolve_gpu, resolve_target
 from lightning_memtenants.predict.dryrun import PredictOptions, dry_run, largest_batch_size
@@ -777,6 +777,21 @@ def _add_advise(commands: Any, predict: argparse.ArgumentParser) -> None:
         help="the micro-batches per optimizer step the run uses now, as the Trainer's argument (default: %(default)s)",
     )
     run.add_argument(
+        "--compile-fixes",
+        action="store_true",
+        help="also measure torch.compile of the model where nothing is compiled yet; each compiled dry run takes"
+        " seconds (default: %(default)s)",
+    )
+    run.add_argument(
+        "--activation-memory-budgets",
+        type=_memory_budgets,
+        default=None,
+        metavar="X[,X...]|grid",
+        help="also measure these values of torch._functorch.config.activation_memory_budget for the compiled step,"
+        f" each in [0, 1], the largest that fits advised; 'grid' is {','.join(f'{b:g}' for b in BUDGET_GRID)}"
+        " (default: none)",
+    )
+    run.add_argument(
         "--json",
         default=None,
         metavar="PATH",
@@ -815,6 +830,8 @@ def _advise(args: argparse.Namespace) -> int:
             margin=args.margin,
             make_batch=make_batch,
             fsdp_ranks=args.fsdp_ranks or (),
+            compile_fixes=args.compile_fixes,
+            activation_memory_budgets=args.activation_memory_budgets or (),
             **options,
         ),
         batch_size,
@@ -855,6 +872,21 @@ def _advise(args: argparse.Namespace) -> int:
         }
         _write_json(document, json_path)
     return 0
+
+
+def _memory_budgets(text: str) -> tuple[float, ...]:
+    """``--activation-memory-budgets``: values in [0, 1] separated by commas, or ``grid``."""
+    if text.strip() == "grid":
+        return BUDGET_GRID
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be values in [0, 1] separated by commas, or grid, got {text!r}"
+        ) from None
+    if any(not 0 <= value <= 1 for value in values):
+        raise argparse.ArgumentTypeError(f"each value must be in [0, 1], got {text!r}")
+    return values
 
 
 def _rank_counts(text: str) -> tuple[int, ...]:
