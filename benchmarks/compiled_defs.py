@@ -1,7 +1,8 @@
-"""The models of ``benchmarks/compiled.py``: copies of ``tests/compiled_models.py`` and ``tests/hf_models.py``.
+"""The models of ``benchmarks/compiled.py``; ``tests/compiled_models.py`` imports the gated block from here.
 
-Benchmarks do not import from ``tests/``; these copies build the same modules with the same weights (the same
-seeds, layers and calls in the same order), so the benchmark's figures are those of the tests' models.
+Benchmarks do not import from ``tests/``; the rest are copies of ``tests/compiled_models.py`` and
+``tests/hf_models.py`` that build the same modules with the same weights (the same seeds, layers and calls in the
+same order), so the benchmark's figures are those of the tests' models.
 
 The gated blocks: LayerNorm, Linear 256->1024, GELU, a sigmoid gate, Linear 1024->256 and a residual, three of
 them, trained on ``out.pow(2).mean()`` with Adam; checkpointed (non-reentrant) per block, with a graph break
