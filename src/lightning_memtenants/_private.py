@@ -1027,7 +1027,6 @@ def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, ru
     """
     import functools
 
-    from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._guards import detect_fake_mode
@@ -1055,8 +1054,7 @@ def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, ru
         "aot_eager_default_partitioner": (default_partition, None),
     }
     partition, decompositions = recipes[backend]
-    before = {name: dict(counter) for name, counter in counters.items()}  # the pattern matcher counts: the user's
-    try:
+    with dynamo_counters_kept():  # the pattern matcher counts: the user's counters stay as they were
         return aot_module_simplified(
             module,
             inputs,
@@ -1066,6 +1064,16 @@ def aot_inductor(module: torch.nn.Module, inputs: list[Tensor], backend: str, ru
             decompositions=decompositions,
             keep_inference_input_mutations=backend != "aot_eager_decomp_partition",
         )
+
+
+@contextlib.contextmanager
+def dynamo_counters_kept() -> Iterator[None]:
+    """Dynamo's counters (``torch._dynamo.utils.counters``) as they were before, whatever a trace inside counted."""
+    from torch._dynamo.utils import counters
+
+    before = {name: dict(counter) for name, counter in counters.items()}
+    try:
+        yield
     finally:
         counters.clear()
         for name, counter in before.items():

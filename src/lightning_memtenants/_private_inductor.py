@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtenants._private import dynamo_counters_kept
+
 # Options set aside: kernels chosen by timing them (a fake tensor cannot be timed), CUDA graphs, the C++ wrapper.
 TUNING = (
     "max_autotune",
@@ -99,7 +101,6 @@ def _kept_as_they_were() -> Iterator[None]:
     from torch._dynamo import utils
     from torch._inductor import metrics
 
-    counters = {name: dict(counter) for name, counter in utils.counters.items()}
     times = {name: list(values) for name, values in utils.compilation_time_metrics.items()}
     kept = {
         name: (value.copy() if isinstance(value, (list, dict)) else value)
@@ -107,11 +108,9 @@ def _kept_as_they_were() -> Iterator[None]:
         if not name.startswith("_") and isinstance(value, (int, float, list, dict)) and not isinstance(value, bool)
     }
     try:
-        yield
+        with dynamo_counters_kept():
+            yield
     finally:
-        utils.counters.clear()
-        for name, counter in counters.items():
-            utils.counters[name].update(counter)
         utils.compilation_time_metrics.clear()
         utils.compilation_time_metrics.update(times)
         for name, value in kept.items():
