@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_memtenants.lightning.callback as callback_module
 from lightning_memtenants import PHASES, MemoryTenantsCallback
 from lightning_memtenants.units import MiB
 
@@ -48,7 +47,6 @@ def seed_run() -> tuple[MemoryTenantsCallback, RecordingLogger, list[str]]:
     gc.collect()  # the CPU tracker counts every live tensor: free what earlier tests left in cycles
     printed: list[str] = []
     with pytest.MonkeyPatch.context() as patch:  # undone when the fit is done: nothing leaks into later tests
-        patch.setattr(callback_module, "rank_zero_info", printed.append)
         for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything sets them: not past this fit
             patch.delenv(name, raising=False)
         L.seed_everything(0, verbose=False)
@@ -56,7 +54,7 @@ def seed_run() -> tuple[MemoryTenantsCallback, RecordingLogger, list[str]]:
         assert cb.latest is None
         with no_collection(), contextlib.redirect_stdout(io.StringIO()) as stdout:
             make_trainer([cb], steps=2, logger=logger).fit(SeedMLP(), seed_loader(batch_size=8, steps=2))
-    printed.append(stdout.getvalue())  # the summary is printed to stdout, after the notices given as info
+    printed.append(stdout.getvalue())  # the summary is printed to stdout; a RecordingLogger gets no notice
     return cb, logger, printed
 
 
@@ -215,11 +213,11 @@ def test_every_logged_tag_is_in_the_tags_page(seed_run) -> None:
 
 def test_summary_table_is_printed_at_the_end(seed_run) -> None:
     _, _, printed = seed_run
-    assert printed[0].endswith("the layout, desk picture and summary need a TensorBoardLogger")
-    assert len(printed) == 2  # the notice, then stdout: the summary is not logged
-    printed = printed[1].split("\n\nmemtenants: optimizer step ")
-    assert len(printed) == 2  # the first step, then the last
-    assert printed[0].startswith("memtenants: optimizer step 0 (memory source: live-tensor tracker (cpu))")
+    assert len(printed) == 1  # stdout, and no notice: the summary is not logged
+    printed = printed[0].split("\n\nmemtenants: optimizer step ")
+    assert len(printed) == 3  # the headline, the first step, then the last
+    assert printed[0].startswith("memtenants: at a glance\n- peak: training ")
+    assert printed[1].startswith("0 (memory source: live-tensor tracker (cpu))")
     assert printed[-1].startswith("1 (memory source: live-tensor tracker (cpu))")
     assert re.search(r"batch_end\s+96\.04\s+96\.04\s+192\.07\s+0\.00\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", printed[-1])
     assert "peak inside the optimizer step" in printed[-1]

@@ -1,6 +1,7 @@
 """The first rule, in real fits: measuring never changes the user's program.
 
-Each fit runs twice, the same seeded program, without the callback and with it, every option on at once (a
+Each fit (with its validation loop, whose batches are measured too) runs twice, the same seeded program, without
+the callback and with it, every option on at once (a
 budget tight enough to warn, ``measure_fixes``, every step tracked, a TensorBoard logger logging every step,
 gradient accumulation). What the user's program sees must be the same: how often Lightning calls its code, the
 operators its own dispatch and function modes see, what it keeps (no fake tensor), the random generators' states
@@ -85,6 +86,11 @@ class Counted(L.LightningModule):
             file.write(f"step {batch_idx} x {tuple(x.shape)}\n")
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.calls["validation_step"] += 1
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self.calls["configure_optimizers"] += 1
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -127,7 +133,8 @@ def fit(tmp_path: Path, name: str, callback: MemoryTenantsCallback | None, table
     rss = psutil.Process().memory_info().rss
     with warnings.catch_warnings(record=True) as caught, functions, dispatched:
         warnings.simplefilter("always")
-        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True))
+        validation = DataLoader(TensorDataset(*data[:48]), batch_size=16)
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True), validation)
     grown = psutil.Process().memory_info().rss - rss
     return {
         "calls": dict(model.calls),
@@ -167,12 +174,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("arm", ["default", "everything"])
 def test_lightning_calls_the_users_code_as_often_as_without_the_callback(runs: dict[str, Any], arm: str) -> None:
     without, with_ = runs["without"], runs[arm]
-    # 4 optimizer steps of 2 micro-batches each: 8 batches, 4 optimizer steps, one configure_optimizers
+    # 4 optimizer steps of 2 micro-batches each: 8 batches, 4 optimizer steps, one configure_optimizers; the
+    # sanity check's 2 validation batches and the epoch's 3
     assert without["calls"] == {
         "configure_optimizers": 1,
+        "validation_step": 5,
         "on_train_batch_start": 8,
         "training_step": 8,
-        "forward": 8,
+        "forward": 13,
         "on_before_backward": 8,
         "on_after_backward": 8,
         "on_before_optimizer_step": 4,

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("names", "units", "checks", "_private", "_private_inductor"),
     ("core",),
     ("analysis",),
-    ("monitor",),
+    ("monitor", "evaluation"),
     ("predict", "render"),
     ("lightning", "cli"),
     ("pl",),  # the callback for pytorch_lightning.Trainer, built on lightning's

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import lightning as L
 import pytest
 import torch
-from conftest import make_trainer
+from conftest import SEED_WEIGHTS, make_trainer, no_collection
 from lightning.pytorch.loggers import TensorBoardLogger
+from seed_mlp import SeedMLP, seed_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback, PhaseReport, StepReport
 from lightning_memtenants.names import PHASES, TENANTS
-from lightning_memtenants.render.table import SUMMARY_HEADING, fit_summary, summary_text, summary_to_markdown
+from lightning_memtenants.render.table import (
+    HEADLINE_HEADING,
+    SUMMARY_HEADING,
+    fit_summary,
+    step_table,
+    summary_text,
+    summary_to_markdown,
+    to_text,
+)
+from lightning_memtenants.render.tags import metrics
+from lightning_memtenants.render.tensorboard import desk_figure
+from lightning_memtenants.units import mib
 
 MiB = 2**20
 
@@ -64,6 +77,7 @@ def test_the_last_measured_step_is_shown_and_both_forms_say_the_same() -> None:
         headings(text)
         == headings(markdown)
         == [
+            HEADLINE_HEADING,
             "memtenants: optimizer step 0",
             "memtenants: optimizer step 2, the last measured",
             SUMMARY_HEADING,
@@ -87,7 +101,9 @@ def test_nothing_measured_says_so_without_a_figure() -> None:
     text = summary_text(summary)
     assert [r.step for r in summary.reports] == [0] and summary.lines == []
     assert "not measured MiB" not in text
-    assert bullets(text)[0] == (
+    assert summary.headline == ["peak: training not measured (no memory source)",
+                                "largest tenant: optimizer_state 8.00 MiB"]  # fmt: skip
+    assert bullets(text)[2] == (
         "peak not measured: no memory source; largest tenant optimizer_state 8.00 MiB; sum of tenants 16.00 MiB"
     )
     assert "budget 64.00 MiB; no headroom: the peak was not measured" in bullets(text)
@@ -97,7 +113,8 @@ def test_nothing_measured_says_so_without_a_figure() -> None:
 def test_first_is_the_only_measured_step() -> None:
     first, last = report(0, 30 * MiB), report(5, None)
     summary = fit_summary(first, last, first, None)
-    assert headings(summary_text(summary)) == ["memtenants: optimizer step 0, the first and the last measured",
+    assert headings(summary_text(summary)) == [HEADLINE_HEADING,
+                                               "memtenants: optimizer step 0, the first and the last measured",
                                                SUMMARY_HEADING]  # fmt: skip
 
 
@@ -150,3 +167,125 @@ def test_print_summary_false_prints_nothing(capsys: pytest.CaptureFixture[str]) 
     make_trainer([cb], steps=1).fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=8))
     assert cb.latest is not None
     assert "memtenants" not in capsys.readouterr().out
+
+
+# The headline's fix: a 1024 x 1024 fp32 weight under single-tensor Adam (the CPU's default), whose step makes two
+# temporaries the size of that weight, 2 x 4 MiB; with 8 MiB of state, fused=True (8 MiB, ranked first of the two
+# that save 8 MiB) beats sharding the state over 2 devices (4 MiB).
+FIX_MODULE = nn.Linear(1024, 1024, bias=False)
+FIX_OPTIMIZERS = [torch.optim.Adam(FIX_MODULE.parameters())]
+FUSED = (
+    "use the optimizer's fused=True (no per-parameter temporaries) or foreach=False (saves about 8.00 MiB, an estimate)"
+)
+
+
+def headline_of(budget: int | None, evaluations: list[StepReport] | None = None) -> list[str]:
+    first, middle, last = report(0, 30 * MiB), report(2, 40 * MiB), report(3, None)
+    summary = fit_summary(first, last, middle, budget, evaluations=evaluations or [], module=FIX_MODULE,
+                          optimizers=FIX_OPTIMIZERS)  # fmt: skip
+    text, markdown = summary_text(summary), summary_to_markdown(summary)
+    assert text.startswith(f"{HEADLINE_HEADING}\n- {summary.headline[0]}\n")  # the first thing printed
+    assert markdown.startswith(f"### {HEADLINE_HEADING}\n\n- {summary.headline[0]}\n")
+    assert bullets(text) == bullets(markdown)
+    assert bullets(text)[: len(summary.headline)] == summary.headline
+    return summary.headline
+
+
+def test_the_headline_names_the_peak_the_largest_tenant_and_the_fix_that_saves_most() -> None:
+    peak = "peak: training 40.00 MiB (step 2, the optimizer step)"  # the higher of steps 0 (30) and 2 (40)
+    tenant = "largest tenant: optimizer_state 8.00 MiB, 20% of the training peak"  # 8 / 40
+    assert headline_of(None) == [peak, tenant, f"to lower the peak most: {FUSED}"]
+    # 40 of 100 MiB: no fix is pushed
+    assert headline_of(100 * MiB) == [f"{peak}; 40% of the budget (100.00 MiB)", tenant,
+                                      "nothing needs changing: the peak is 40% of the budget"]  # fmt: skip
+    # 40 MiB of 10 GiB is 0.4%: said as under 1%, never 0%
+    assert headline_of(10 * 2**30)[2] == "nothing needs changing: the peak is under 1% of the budget"
+    # 40 of 48 MiB (83%): it fits, 8 MiB under
+    assert headline_of(48 * MiB)[2] == f"it fits, 8.00 MiB under the budget; to lower the peak most: {FUSED}"
+    # 40 MiB over 42 MiB less 5%: int(42 MiB x 0.95) = 41,838,182 bytes; 41,943,040 - 41,838,182 = 104,858 (0.10 MiB)
+    assert headline_of(42 * MiB)[0] == f"{peak}; 95% of the budget (42.00 MiB)"
+    assert headline_of(42 * MiB)[2] == (
+        f"over the budget: 0.10 MiB above 39.90 MiB (the budget less a 5% margin); the change that would help most:"
+        f" {FUSED}"
+    )
+
+
+def validation_report(peak: int | None = 21 * MiB) -> StepReport:
+    tenants = {"weights": 4 * MiB, "gradients": 4 * MiB, "optimizer_state": 8 * MiB, "activations": 0}
+    allocated = {"batch_start": 17 * MiB, "batch_end": 18 * MiB}  # 1 and 2 MiB of other: the batch, the outputs
+    window = {"batch_start": 17 * MiB, "batch_end": 21 * MiB}
+    phases = {
+        name: PhaseReport(name, dict(tenants), allocated_bytes=allocated[name], window_peak_bytes=window[name])
+        for name in ("batch_start", "batch_end")
+    }
+    return StepReport(step=12, phases=phases, micro_batches=[phases], tenants_bytes=dict(tenants),  # type: ignore[arg-type]
+                      expected_fixed_bytes=None, measured_fixed_bytes=16 * MiB, peak_bytes=peak,
+                      peak_phase="batch_end", peak_explanation="peak in the validation step",
+                      memory_source="live-tensor tracker (cpu)", stage="validate", batch_index=7,
+                      dataloader_index=0)  # fmt: skip
+
+
+def test_an_evaluation_batch_has_its_own_table() -> None:
+    text = to_text(step_table(validation_report(), 64 * MiB))
+    assert text.splitlines()[0] == (
+        "memtenants: validation batch 7 (dataloader 0), at optimizer step 12 (memory source: live-tensor tracker (cpu))"
+    )
+    rows = [line.split()[0] for line in text.splitlines()[3:] if line and not line.startswith("- ")]
+    assert rows == ["batch_start", "batch_end", "high-water"]
+    assert re.search(r"^batch_end\s+4\.00\s+4\.00\s+8\.00\s+0\.00\s+2\.00\s+18\.00\s+21\.00$", text, re.M)
+    assert re.search(r"^high-water mark\s+4\.00\s+4\.00\s+8\.00\s+0\.00\s+2\.00\s+-\s+21\.00$", text, re.M)
+    lines = bullets(text)
+    assert lines[0] == (
+        "peak 21.00 MiB in the validation step; largest tenant optimizer_state 8.00 MiB; sum of tenants 16.00 MiB"
+    )
+    assert "windows: batch_start closes before the batch (data loading); batch_end closes the validation step" in lines
+    assert lines[-1] == "budget 64.00 MiB; headroom 43.00 MiB"
+    # the tags and the desk read the phases that are there
+    assert metrics(validation_report())["memtenants/window_peak/batch_end_MiB"] == 21.0
+    assert not any("before_backward" in name for name in metrics(validation_report()))
+    assert desk_figure(validation_report(), 64 * MiB) is not None
+
+
+def test_validation_is_put_beside_training() -> None:
+    headline = headline_of(None, [validation_report()])
+    assert headline[0] == "peak: training 40.00 MiB (step 2, the optimizer step) | validation 21.00 MiB (batch 7)"
+    unmeasured = replace(validation_report(None), peak_explanation="peak not measured: the tracker was paused")
+    assert headline_of(None, [unmeasured])[0].endswith(" | validation not measured (the tracker was paused)")
+    first, middle, last = report(0, 30 * MiB), report(2, 40 * MiB), report(3, None)
+    summary = fit_summary(first, last, middle, None, evaluations=[validation_report()])
+    assert summary.headline[2:] == []  # no module: no fix is named
+    text, markdown = summary_text(summary), summary_to_markdown(summary)
+    assert headings(text) == headings(markdown) == [
+        HEADLINE_HEADING, "memtenants: training and validation side by side", "memtenants: optimizer step 0",
+        "memtenants: optimizer step 2, the last measured", SUMMARY_HEADING]  # fmt: skip
+    # training's step 2: 1 MiB of other (17 allocated - 16 of tenants), peak 40; validation: 2 MiB, 21
+    assert re.search(r"^tenant \(MiB\)\s+training\s+validation$", text, re.M)
+    assert re.search(r"^optimizer_state\s+8\.00\s+8\.00$", text, re.M)
+    assert re.search(r"^other\s+1\.00\s+2\.00$", text, re.M)
+    assert re.search(r"^peak\s+40\.00\s+21\.00$", text, re.M)
+    assert "| **peak** | 40.00 | 21.00 |" in markdown and "| `other` | 1.00 | 2.00 |" in markdown
+    assert bullets(text)[2] == (  # under the headline's two lines (no module: no fix)
+        "training: optimizer step 2; validation: batch 7 (dataloader 0), at optimizer step 12; each column holds the"
+        " high-water marks and the peak over its step or batch"
+    )
+
+
+def test_a_real_fit_heads_its_summary_with_the_peak_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    cb = MemoryTenantsCallback()
+    with no_collection():
+        make_trainer([cb], steps=2).fit(SeedMLP(), seed_loader(batch_size=8, steps=2))
+    out = capsys.readouterr().out
+    assert cb.first is not None and cb.latest is not None
+    # both steps peak in Adam's step: weights, gradients and state, two temporaries the size of the 4096 x 4096
+    # weight and one the size of a 4096 bias, the batch (8 x 1024 floats) and the closure's loss copy (8 bytes)
+    largest, state = 4096 * 4096 * 4, 201_400_344
+    peak = 2 * SEED_WEIGHTS + state + 2 * largest + 4096 * 4 + 8 * 1024 * 4 + 8
+    assert cb.first.peak_bytes == cb.latest.peak_bytes == peak
+    assert out.startswith(
+        f"{HEADLINE_HEADING}\n"
+        f"- peak: training {mib(peak)} MiB (step 0, the optimizer step)\n"
+        f"- largest tenant: optimizer_state 192.07 MiB, {state / peak:.0%} of the training peak\n"
+        # no budget on the CPU: the fix that saves most, Adam's whole state (more than fused=True's 2 x 64 MiB)
+        "- to lower the peak most: SGD without momentum keeps no optimizer state"
+        " (saves about 192.07 MiB, an estimate)\n"
+    )

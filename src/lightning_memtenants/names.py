@@ -10,12 +10,18 @@ from typing import Literal, get_args
 
 Tenant = Literal["weights", "gradients", "optimizer_state", "activations"]
 Phase = Literal["batch_start", "before_backward", "after_backward", "before_optimizer_step", "batch_end"]
+# The loop a report belongs to: Lightning's ``trainer.state.stage`` names, training's included.
+Stage = Literal["train", "validate", "test", "predict"]
 Part = Literal["autocast_cache", "grad_scaler", "ddp_buckets", "cublas_workspace", "allocator_rounding"]
 # What the monitor measures, each of which can fail and be disabled on its own (a named part as well).
 Measurement = Literal["census", "activations", "memory source", "fixed cost", "peak explanation"]
 
 TENANTS: tuple[Tenant, ...] = get_args(Tenant)
 PHASES: tuple[Phase, ...] = get_args(Phase)
+STAGES: tuple[Stage, ...] = get_args(Stage)
+EVALUATION_STAGES: tuple[Stage, ...] = ("validate", "test", "predict")
+# Each loop's name in words, in tags (``memtenants/validation/...``) and in sentences.
+LOOP_NAMES: dict[Stage, str] = {"train": "training", "validate": "validation", "test": "test", "predict": "predict"}
 FIXED_TENANTS: tuple[Tenant, ...] = ("weights", "gradients", "optimizer_state")
 
 # What runs in the window that ends at each phase boundary.
@@ -25,6 +31,11 @@ WINDOWS: dict[Phase, str] = {
     "after_backward": "backward",
     "before_optimizer_step": "between backward and the optimizer step",
     "batch_end": "the optimizer step",
+}
+# An evaluation batch has two boundaries; the window that ends at ``batch_end`` is the loop's step (its forward).
+EVALUATION_WINDOWS: dict[Phase, str] = {
+    "batch_start": "before the batch (data loading)",
+    "batch_end": "the {loop} step",
 }
 # Short names for the same windows, used where a phase is reported as "where it failed".
 WINDOW_NAMES: dict[Phase, str] = {

@@ -17,20 +17,33 @@ class LeakDetector:
     the scatter around the line. Healthy training settles after its first steps (Adam's
     state appears once), so the first two observations are not used.
 
+    An evaluation loop (``loop="validation"``, ``"test"``, ``"predict"``) is watched batch by batch from its first
+    batch: nothing should outlive an evaluation step but what the user keeps, so its window is short.
+
     Args:
         window: how many of the latest observations are fitted; none is judged before the window is full.
-        min_bytes_per_step: the least growth per step, in bytes, that counts as a leak.
+        min_bytes_per_step: the least growth per step (per batch in an evaluation loop), in bytes, that counts as a
+            leak.
+        skip: how many first observations are not used.
+        loop: the loop watched, in words (``names.LOOP_NAMES``); the warning's wording follows it.
 
     Raises:
-        ValueError: if ``window`` is not an int of 3 or more, or ``min_bytes_per_step`` not an int of 0 or more.
+        ValueError: if ``window`` is not an int of 3 or more, ``min_bytes_per_step`` or ``skip`` not an int of 0 or
+            more.
     """
 
-    def __init__(self, window: int = 8, min_bytes_per_step: int = 64 * 1024) -> None:
+    def __init__(
+        self, window: int = 8, min_bytes_per_step: int = 64 * 1024, *, skip: int = 2, loop: str = "training"
+    ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 3:
             raise ValueError(f"window must be an int of 3 or more (a line through fewer says nothing), got {window!r}")
         if isinstance(min_bytes_per_step, bool) or not isinstance(min_bytes_per_step, int) or min_bytes_per_step < 0:
             raise ValueError(f"min_bytes_per_step must be an int of 0 or more, got {min_bytes_per_step!r}")
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be an int of 0 or more, got {skip!r}")
         self.window = window
+        self.skip = skip
+        self.loop = loop
         self.min_bytes_per_step = min_bytes_per_step
         self._seen = 0
         self._points: deque[tuple[int, int, dict[str, int]]] = deque(maxlen=window)
@@ -49,7 +62,7 @@ class LeakDetector:
             The warning, or None.
         """
         self._seen += 1
-        if self._seen <= 2:
+        if self._seen <= self.skip:
             return None
         total = phase.allocated_bytes if phase.allocated_bytes is not None else phase.total_bytes
         parts = dict(phase.tenants_bytes)
@@ -67,6 +80,18 @@ class LeakDetector:
             return None
         slopes = {name: _slope(steps, [p[2].get(name, 0) for p in self._points])[0] for name in parts}
         tenant = max(slopes, key=lambda name: slopes[name])
+        if self.loop != "training":
+            kept = (
+                " (trainer.predict keeps every batch's predictions unless return_predictions=False)"
+                if self.loop == "predict"
+                else ""
+            )
+            return (
+                f"memtenants: memory grows by {slope / MiB:.2f} MiB per {self.loop} batch at batch start"
+                f" (batches {steps[0]}-{steps[-1]}), mostly in {tenant}: tensors outlive the {self.loop} step{kept}."
+                " A common cause is appending its outputs to a list with their graph (the step ran with grad"
+                " enabled) or on the device; keep `.detach().cpu()`, `.item()`, or a metric's running state instead."
+            )
         return (
             f"memtenants: memory grows by {slope / MiB:.2f} MiB per step at batch start"
             f" (steps {steps[0]}-{steps[-1]}), mostly in {tenant}. A common cause is keeping a loss or an"

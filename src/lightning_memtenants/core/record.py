@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from lightning_memtenants.names import FIXED_TENANTS, TENANTS, Part, Phase, Tenant
+from lightning_memtenants.names import FIXED_TENANTS, STAGES, TENANTS, Part, Phase, Stage, Tenant
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,12 @@ class StepReport:
             alive at it (a peak in the forward pass or in backward); ``"before_backward"``, the last
             ``before_backward`` boundary, where none is (a peak in the optimizer step); ``""`` where no split was
             taken.
+        stage: the loop the report belongs to: ``"train"`` for an optimizer step; ``"validate"``, ``"test"`` or
+            ``"predict"`` for one batch of an evaluation loop, whose phases are ``batch_start`` and ``batch_end`` (the
+            loop's step between them), whose ``step`` is the trainer's global step when it ran, and whose gradients and
+            optimizer state are what training left resident.
+        batch_index: an evaluation batch's index in its loop; None for an optimizer step.
+        dataloader_index: an evaluation batch's dataloader; None for an optimizer step.
     """
 
     step: int
@@ -181,6 +187,9 @@ class StepReport:
     tenants_from_step: int | None = None
     activations_by_module_bytes: dict[str, int] = field(default_factory=dict)
     activations_by_module_at: str = ""
+    stage: Stage = "train"
+    batch_index: int | None = None
+    dataloader_index: int | None = None
 
     def renumbered(self, step: int) -> StepReport:
         """The same report for another step: what a step that repeats this one, and reads nothing, reports.
@@ -310,6 +319,9 @@ class StepReport:
                     str(k): int(v) for k, v in (data.get("activations_by_module_bytes") or {}).items()
                 },
                 activations_by_module_at=str(data.get("activations_by_module_at") or ""),
+                stage=_stage(data.get("stage", "train")),
+                batch_index=_int_or_none(data.get("batch_index")),
+                dataloader_index=_int_or_none(data.get("dataloader_index")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"data must be a dict written by StepReport.to_dict(): {error!r}") from None
@@ -333,6 +345,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _stage(value: Any) -> Stage:
+    if value not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {value!r}")
+    return value  # type: ignore[no-any-return]
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -121,6 +121,11 @@ class Alerts:
         self._why = why
         return why
 
+    @property
+    def batch_sized(self) -> BatchSize:
+        """The last batch sized (``(elements, bytes, samples)``; zeros before one was)."""
+        return self._batch
+
     def set_budget(self, budget_bytes: int | None) -> None:
         """The run's budget (the argument, else the device's capacity); warnings start afresh.
 

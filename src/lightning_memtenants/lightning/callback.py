@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -24,11 +24,12 @@ from lightning_memtenants.core.sources import MemorySource, TrackerSource, devic
 from lightning_memtenants.core.tracker import raise_pending
 from lightning_memtenants.lightning.alerts import Alerts
 from lightning_memtenants.lightning.logs import Logs
+from lightning_memtenants.lightning.loops import EvaluationLoops
 from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memory
 from lightning_memtenants.lightning.ranks import gather_or_warn
 from lightning_memtenants.monitor import TenantMonitor
-from lightning_memtenants.names import Phase
-from lightning_memtenants.render.table import fit_summary
+from lightning_memtenants.names import EVALUATION_STAGES, LOOP_NAMES, STAGES, Phase, Stage
+from lightning_memtenants.render.table import fit_summary, step_table, to_text
 from lightning_memtenants.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -38,6 +39,18 @@ if TYPE_CHECKING:
 
 SOURCES = ("auto", "tracker", "none")
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _stage(stage: Any, exact: bool) -> Stage:
+    """``stage`` checked: one of ``names.STAGES``, and ``"train"`` where an exact answer (a dry run) is asked."""
+    if not isinstance(stage, str) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {brief(stage)}")
+    if exact and stage != "train":
+        raise ValueError(
+            f"exact=True answers for stage='train' only (a dry run of training_step); a {LOOP_NAMES[stage]} batch is"
+            " answered from the measured batches"  # type: ignore[index]
+        )
+    return stage  # type: ignore[return-value]
 
 
 def _unseen(hook: _Hook) -> _Hook:
@@ -50,6 +63,9 @@ def _unseen(hook: _Hook) -> _Hook:
 
     return cast(_Hook, run)
 
+
+# The attribute that holds each evaluation loop's last measured batch.
+_LATEST: dict[Stage, str] = {"validate": "latest_validation", "test": "latest_test", "predict": "latest_predict"}
 
 # Under manual optimization a step that no optimizer ends is closed after this many batches.
 MANUAL_ACCUMULATION_BOUND = 64
@@ -198,11 +214,13 @@ class MemoryTenantsCallback(Callback):
         self.latest: StepReport | None = None
         self.latest_measured: StepReport | None = None
         self.first: StepReport | None = None
+        self.latest_validation: StepReport | None = None
+        self.latest_test: StepReport | None = None
+        self.latest_predict: StepReport | None = None
         self._alerts = self._new_alerts()
-        self._logs = Logs(
-            log_every_n_steps, desk_every_n_logs=desk_every_n_logs, info=rank_zero_info, warn=rank_zero_warn
-        )
+        self._logs = Logs(log_every_n_steps, desk_every_n_logs=desk_every_n_logs, warn=rank_zero_warn)
         self._postmortem = Postmortem(postmortem_dir, record_history=record_history, warn=rank_zero_warn)
+        self._loops = EvaluationLoops(rank_zero_warn, every_batch=self.track_every_step)
         self._monitor: TenantMonitor | None = None
         self._source: MemorySource | None = None  # kept past fit for run_peak_bytes; it holds no tensor
         self._step_hooks: list[Any] = []
@@ -273,7 +291,7 @@ class MemoryTenantsCallback(Callback):
         """
         return None if self._source is None else self._source.run_peak_bytes
 
-    def predict_peak_bytes(self, batch_size: int, *, exact: bool = False) -> int | None:
+    def predict_peak_bytes(self, batch_size: int, *, exact: bool = False, stage: str = "train") -> int | None:
         """The predicted steady-state step peak for ``batch_size`` samples, from the steps measured so far.
 
         As :meth:`max_batch_size`: on the CPU, scaled from a measured step's own allocations; elsewhere the
@@ -283,18 +301,24 @@ class MemoryTenantsCallback(Callback):
         Args:
             batch_size: samples in the batch, a positive integer.
             exact: answer by a dry run of the run's own step, under fake tensors, now.
+            stage: ``"train"``, or an evaluation loop (``"validate"``, ``"test"``, ``"predict"``): a batch of that
+                loop, projected from its measured batches, else from the training forward (an upper bound).
 
         Returns:
             The predicted peak in bytes, or ``None`` before a step was measured (without ``exact``).
 
         Raises:
-            ValueError: if ``batch_size`` is not a positive integer or ``exact`` not a bool.
+            ValueError: if ``batch_size`` is not a positive integer, ``exact`` not a bool, ``stage`` not one of
+                ``names.STAGES``, or ``exact=True`` with an evaluation stage.
             RuntimeError: with ``exact=True``, while the trainer is fitting (no dry run runs inside a fit), or where
                 no dry run can stand for the step (a sharded strategy, the model freed, no measured batch) or it
                 failed.
         """
         batch_size = positive_int(batch_size, "batch_size")
-        if flag(exact, "exact"):
+        exact = flag(exact, "exact")
+        if _stage(stage, exact) != "train":
+            return self._loops.predict_peak_bytes(stage, batch_size)  # type: ignore[arg-type]
+        if exact:
             self._outside_fit("predict_peak_bytes")
             return self._alerts.exact_peak_bytes(batch_size)
         return self._alerts.predict_peak_bytes(batch_size)
@@ -305,6 +329,7 @@ class MemoryTenantsCallback(Callback):
         *,
         elements_per_sample: float | None = None,
         exact: bool = False,
+        stage: str = "train",
     ) -> int | None:
         """The largest batch whose steady-state peak fits the budget less the margin (``budget x (1 - margin)``).
 
@@ -325,18 +350,25 @@ class MemoryTenantsCallback(Callback):
         Under DDP, without arguments, it is the answer logged last: the minimum over ranks, which hold
         different batches (gathered on logging steps, with a logger). With arguments it is this rank's.
 
+        ``stage="validate"`` (``"test"``, ``"predict"``) answers for a batch of that loop: its measured batch with the
+        most samples as a line (what the loop holds besides the batch, and the batch and the step's working memory
+        scaled with the samples; it errs low), else, before one was measured, the training forward's (a forward that
+        keeps its graph holds more than one under ``no_grad``: it errs low too).
+
         Args:
             budget_bytes: bytes or a string like ``"80GiB"``; ``None`` uses the run's budget.
             elements_per_sample: input elements per sample (e.g. the longest sequence in the
                 dataset); ``None`` sizes samples as the longest seen so far.
             exact: answer by dry runs of the step, under fake tensors, now (outside the fit only).
+            stage: ``"train"``, or the evaluation loop whose batch is asked about.
 
         Returns:
             The batch size, or ``None`` without a budget or before a step was measured (without ``exact``).
 
         Raises:
             ValueError: if an argument is not a positive number, ``exact`` not a bool, or with ``exact=True`` there
-                is no budget or ``elements_per_sample`` is not the measured batch's.
+                is no budget or ``elements_per_sample`` is not the measured batch's; if ``stage`` is not one of
+                ``names.STAGES``, or an evaluation stage comes with ``exact=True`` or ``elements_per_sample``.
             RuntimeError: with ``exact=True``, while the trainer is fitting (no dry run runs inside a fit), or where
                 no dry run can stand for the step (a sharded strategy, the model freed, no measured batch) or it
                 failed.
@@ -344,12 +376,37 @@ class MemoryTenantsCallback(Callback):
         budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         if elements_per_sample is not None:
             elements_per_sample = positive_number(elements_per_sample, "elements_per_sample")
-        if flag(exact, "exact"):
+        exact = flag(exact, "exact")
+        if _stage(stage, exact) != "train":
+            if elements_per_sample is not None:
+                raise ValueError(
+                    f"elements_per_sample is for stage='train' only; an evaluation batch is sized by samples, got"
+                    f" {brief(elements_per_sample)} with stage={stage!r}"
+                )
+            return self._loops.max_batch_size(stage, budget)  # type: ignore[arg-type]
+        if exact:
             self._outside_fit("max_batch_size")
             return self._alerts.exact_max_batch_size(budget, elements_per_sample)
         if self._gathered and budget is None and elements_per_sample is None:
             return self._logged_max_batch_size
         return self._alerts.max_batch_size(budget, elements_per_sample)
+
+    def evaluation_peak(self, stage: str = "validate") -> StepReport | None:
+        """The measured batch of an evaluation loop with the highest peak, over the last fit (or validate, test,
+        predict): what the summary sets beside the training peak, and what ``memtenants/<loop>/...`` logs per run.
+
+        Args:
+            stage: ``"validate"``, ``"test"`` or ``"predict"``.
+
+        Returns:
+            The batch's report, or None where no batch of that loop was measured.
+
+        Raises:
+            ValueError: if ``stage`` is not an evaluation stage.
+        """
+        if stage not in EVALUATION_STAGES:
+            raise ValueError(f"stage must be one of {EVALUATION_STAGES}, got {brief(stage)}")
+        return self._loops.peaks.get(stage)  # type: ignore[call-overload]
 
     def advise(self, budget_bytes: int | str | None = None) -> Advice:
         """The fixes for the last measured step, each measured now by dry runs of the run's own step.
@@ -397,13 +454,17 @@ class MemoryTenantsCallback(Callback):
     @override
     @_unseen
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Start each fit with a fresh forecast, leak baseline and postmortem path."""
+        """Start each fit with a fresh forecast, leak baseline and postmortem path; each loop with fresh reports."""
         if stage == "fit":
             self._fitting = True
             # each fit starts afresh; a fit resumed from a checkpoint gets its state back in load_state_dict,
             # which Lightning calls after setup
             self._alerts = self._new_alerts()
-            self._postmortem.path = None
+        self._postmortem.path = None
+        loops: tuple[Stage, ...] = ("validate",) if stage == "fit" else ((stage,) if stage in STAGES else ())  # type: ignore[assignment]
+        self._loops.reset(loops)
+        for loop in loops:
+            setattr(self, _LATEST[loop], None)
 
     @override
     @_unseen
@@ -413,15 +474,7 @@ class MemoryTenantsCallback(Callback):
         self.latest = self.latest_measured = self.first = None
         self._open_batch, self._last_step, self._step, self._ranks = False, None, 0, []
         self._logged_max_batch_size, self._gathered = None, False
-        self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
-        # read here, where every rank runs the same hook: ``trainer.log_dir`` is a broadcast, and a failure
-        # path (the postmortem) must never call a collective while another rank waits in backward
-        self._postmortem.log_dir = None
-        if self.postmortem_dir is None:
-            try:
-                self._postmortem.log_dir = trainer.log_dir
-            except Exception as error:  # a logger of the user's whose directory cannot be read: the working one
-                rank_zero_warn(f"memtenants: the logger's directory cannot be read ({describe_error(error)})")
+        self._read_log_dir(trainer)
         optimizers: list[Optimizer] = list(trainer.optimizers)
         self._monitor = TenantMonitor(
             pl_module,
@@ -450,11 +503,11 @@ class MemoryTenantsCallback(Callback):
         )
         self._postmortem.start(pl_module.device)
         self._logs.open(trainer)
-        # the timeline is drawn in TensorBoard's panels, and with a budget it gives the largest batch (its fixed and
-        # batch-proportional bytes, scaled); without either, no step pays for recording it. The module paths (hooks
-        # on the model's modules) are only for the panels.
-        self._monitor.record_timeline = self._logs.panels is not None or self._alerts.budget is not None
-        self._monitor.timeline_module_paths = self._logs.panels is not None
+        # the timeline is drawn for TensorBoard, W&B and MLflow, and with a budget it gives the largest batch (its fixed
+        # and batch-proportional bytes, scaled); without either, no step pays for recording it. The module paths (hooks
+        # on the model's modules) are only for the pictures.
+        self._monitor.record_timeline = self._logs.draws or self._alerts.budget is not None
+        self._monitor.timeline_module_paths = self._logs.draws
 
     @override
     @_unseen
@@ -529,6 +582,9 @@ class MemoryTenantsCallback(Callback):
             if self.first is None:
                 self.first = report
             self._alerts.step_end(report, batch if self._cadence_step else None)
+            if report.peak_bytes is not None:  # its forward bounds an evaluation batch's peak, until one is measured
+                _, batch_bytes, samples = self._alerts.batch_sized
+                self._loops.guard.run("the training forward", self._loops.training_step, report, samples, batch_bytes)
         largest = self._alerts.logged_max_batch_size() if self._logging_step else None
         if trainer.world_size > 1 and self._logging_step:
             # every rank takes part on the same steps, whatever its own measurement did, so none waits; the
@@ -587,6 +643,10 @@ class MemoryTenantsCallback(Callback):
             margin=self.margin,
             how=how,
             unmeasured_why=why,
+            evaluations=[r for r in (self.latest_validation,) if r is not None],
+            module=pl_module,
+            optimizers=list(trainer.optimizers),
+            world_size=self._world_size,
         )
         if history is not None:
             summary.lines.append(
@@ -605,7 +665,24 @@ class MemoryTenantsCallback(Callback):
         # failed leaves as fast as it would without us while the others wait in a collective.
         try:
             monitor = self._monitor
-            if monitor is not None and is_out_of_memory(exception):
+            evaluating = self._loops.open_stage
+            if evaluating is not None and self._loops.monitor is not None and is_out_of_memory(exception):
+                record = self._postmortem.write(
+                    self._loops.monitor,
+                    pl_module,
+                    exception,
+                    world_size=self._world_size,
+                    rank=self._rank,
+                    step=int(trainer.global_step),
+                    budget_bytes=self._budget_now(pl_module),
+                    last_step=self._loops.latest.get(evaluating),
+                    stage=evaluating,
+                    batch_index=self._loops.monitor.open_batch_index,
+                    samples=self._loops.open_samples,
+                )
+                if record is not None:
+                    self._logs.postmortem(trainer, record, self._loops.latest.get(evaluating))
+            elif monitor is not None and is_out_of_memory(exception):
                 record = self._postmortem.write(
                     monitor,
                     pl_module,
@@ -623,6 +700,7 @@ class MemoryTenantsCallback(Callback):
             rank_zero_warn(f"memtenants: the postmortem failed ({describe_error(error)})")
         finally:
             self._fitting = False
+            self._loops.close()
             self._close(release=True)
             self._unbind()
 
@@ -632,8 +710,162 @@ class MemoryTenantsCallback(Callback):
         """Remove every hook and let go of the model and optimizers."""
         if stage == "fit":
             self._fitting = False
+        self._loops.close()
         self._close(release=True)
         self._unbind()
+
+    # -- the evaluation loops --------------------------------------------------------------------------
+
+    @override
+    @_unseen
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation run starts (the sanity check's too): its batches are measured from here."""
+        self._loop_start(trainer, pl_module, "validate")
+
+    @override
+    @_unseen
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Measure ``batch_start`` of a validation batch, check its projected peak, watch for a leak."""
+        self._loops.guard.run(
+            "validation", self._loops.batch_start, trainer, "validate", batch, batch_idx, dataloader_idx
+        )
+
+    @override
+    @_unseen
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Close the validation batch: ``latest_validation``."""
+        self._loop_batch_end("validate", outputs, batch)
+
+    @override
+    @_unseen
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the validation run's figures (``memtenants/validation/...``)."""
+        self._loop_end(trainer, "validate")
+
+    @override
+    @_unseen
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A test run starts."""
+        self._loop_start(trainer, pl_module, "test")
+
+    @override
+    @_unseen
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Measure ``batch_start`` of a test batch."""
+        self._loops.guard.run("test", self._loops.batch_start, trainer, "test", batch, batch_idx, dataloader_idx)
+
+    @override
+    @_unseen
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Close the test batch: ``latest_test``."""
+        self._loop_batch_end("test", outputs, batch)
+
+    @override
+    @_unseen
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the test run's figures (``memtenants/test/...``)."""
+        self._loop_end(trainer, "test")
+
+    @override
+    @_unseen
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A predict run starts."""
+        self._loop_start(trainer, pl_module, "predict")
+
+    @override
+    @_unseen
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Measure ``batch_start`` of a predict batch."""
+        self._loops.guard.run("predict", self._loops.batch_start, trainer, "predict", batch, batch_idx, dataloader_idx)
+
+    @override
+    @_unseen
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Close the predict batch: ``latest_predict``."""
+        self._loop_batch_end("predict", outputs, batch)
+
+    @override
+    @_unseen
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the predict run's figures (``memtenants/predict/...``)."""
+        self._loop_end(trainer, "predict")
+
+    def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage) -> None:
+        """A loop run's monitor: inside a fit on the training monitor's source; else on a source of its own."""
+        if self._monitor is not None:
+            source, owned = self._monitor.source, False
+        else:
+            if not self._fitting:  # a stand-alone validate, test or predict: nothing else has read these
+                self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
+                self._read_log_dir(trainer)
+                self._postmortem.start(pl_module.device)
+            source, owned = self._make_source(pl_module), True
+        budget = self._budget_now(pl_module)
+        self._loops.guard.run(
+            "the evaluation loop",
+            lambda: self._loops.start(
+                trainer, pl_module, stage, source, owns_source=owned, budget_bytes=budget, margin=self.margin
+            ),
+        )
+
+    def _loop_batch_end(self, stage: Stage, outputs: Any, batch: Any) -> None:
+        raise_pending()
+        report = self._loops.guard.run(stage, self._loops.batch_end, stage, outputs, batch)
+        if report is not None:
+            setattr(self, _LATEST[stage], report)
+
+    def _loop_end(self, trainer: pl.Trainer, stage: Stage) -> None:
+        """Log the run's figures; after a stand-alone loop, print its peak batch's table (rank zero, stdout)."""
+        sanity = bool(trainer.sanity_checking)
+        self._loops.guard.run(stage, self._loops.end, trainer, stage)
+        if not self._fitting:
+            self._postmortem.stop()
+        peak = self._loops.peaks.get(stage)
+        if self.print_summary and not self._fitting and not sanity and peak is not None and trainer.is_global_zero:
+            print(to_text(step_table(peak, self._loops.budget.total_bytes if self._loops.budget else None)), flush=True)
+
+    def _budget_now(self, pl_module: pl.LightningModule) -> int | None:
+        return self.budget_bytes or device_budget_bytes(pl_module.device)
+
+    def _read_log_dir(self, trainer: pl.Trainer) -> None:
+        """Where the postmortem goes, read in a hook every rank runs: ``trainer.log_dir`` is a broadcast, and a
+        failure path (the postmortem) must never call a collective while another rank waits in backward."""
+        self._postmortem.log_dir = None
+        if self.postmortem_dir is None:
+            try:
+                self._postmortem.log_dir = trainer.log_dir
+            except Exception as error:  # a logger of the user's whose directory cannot be read: the working one
+                rank_zero_warn(f"memtenants: the logger's directory cannot be read ({describe_error(error)})")
 
     # -- wiring ------------------------------------------------------------------------------------
 

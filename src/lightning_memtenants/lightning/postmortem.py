@@ -13,11 +13,13 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
 from lightning_memtenants._private import dump_snapshot, record_history
+from lightning_memtenants.analysis.evaluation import evaluation_fixes
 from lightning_memtenants.analysis.fixes import optimizer_step_temporaries_bytes, ranked_fixes
 from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import StepReport
+from lightning_memtenants.evaluation import EvaluationMonitor
 from lightning_memtenants.monitor import TenantMonitor
-from lightning_memtenants.names import PHASES, WINDOW_NAMES
+from lightning_memtenants.names import LOOP_NAMES, PHASES, WINDOW_NAMES, Stage
 from lightning_memtenants.render.postmortem import postmortem_record, write_postmortem
 
 # What the postmortem says of its fixes where no dry run measured them.
@@ -26,6 +28,9 @@ ESTIMATED = (
     " each fix by dry runs of the step after the fit has failed, and MemoryTenantsCallback.advise() after fit"
 )
 MEASURED = "the fixes by dry runs of the step"
+EVALUATION_ESTIMATED = (
+    "estimated from the tenants at the failure, not measured (no dry run stands for an evaluation step)"
+)
 
 
 def measured_rows(advice: Any) -> list[dict[str, Any]]:
@@ -107,7 +112,7 @@ class Postmortem:
 
     def write(
         self,
-        monitor: TenantMonitor,
+        monitor: TenantMonitor | EvaluationMonitor,
         module: nn.Module,
         error: BaseException,
         *,
@@ -117,6 +122,9 @@ class Postmortem:
         budget_bytes: int | None,
         last_step: StepReport | None,
         advice: Callable[[], Any] | None = None,
+        stage: Stage = "train",
+        batch_index: int | None = None,
+        samples: int = 0,
     ) -> dict[str, Any] | None:
         """Write the postmortem of ``error`` and return its record; None where writing it failed.
 
@@ -134,26 +142,46 @@ class Postmortem:
             advice: measures the fixes by dry runs of the step (``Alerts.advice``, an ``Advice``, or None where
                 that failed, warned once), or None for the estimates of ``analysis.fixes``; without an advice the
                 postmortem holds the estimates, labelled so.
+            stage: the loop that failed: ``"train"``, or an evaluation loop, whose ``monitor`` is then the
+                :class:`~lightning_memtenants.evaluation.EvaluationMonitor` and whose fixes are the evaluation's.
+            batch_index: the evaluation batch that failed, or None.
+            samples: its samples, for the estimates.
 
         Returns:
             The record, or None.
         """
         return self.guard.run(
             "the postmortem",
-            lambda: self._write(monitor, module, error, (world_size, rank, step), budget_bytes, last_step, advice),
+            lambda: self._write(
+                monitor,
+                module,
+                error,
+                (world_size, rank, step),
+                budget_bytes,
+                last_step,
+                advice,
+                stage,
+                batch_index,
+                samples,
+            ),
         )
 
     def _write(
         self,
-        monitor: TenantMonitor,
+        monitor: Any,
         module: nn.Module,
         error: BaseException,
         where: tuple[int, int, int],
         budget_bytes: int | None,
         last_step: StepReport | None,
         advice: Callable[[], Any] | None = None,
+        stage: Stage = "train",
+        batch_index: int | None = None,
+        samples: int = 0,
     ) -> dict[str, Any]:
         world_size, rank, step = where
+        if stage != "train":
+            return self._write_evaluation(monitor, error, where, budget_bytes, last_step, stage, batch_index, samples)
         last = monitor.last_phase()
         failing = PHASES[(PHASES.index(last.name) + 1) % len(PHASES)] if last is not None else "batch_start"
         if failing == "before_backward":  # inside the forward: its graph so far hangs off the failing frames
@@ -202,6 +230,56 @@ class Postmortem:
         if self._recording:
             dump_snapshot(str(self._snapshot_path("memtenants_oom_snapshot", rank, world_size)))
         warnings.warn(f"memtenants: out of memory; postmortem written to {self.path}", stacklevel=1)
+        return record
+
+    def _write_evaluation(
+        self,
+        monitor: EvaluationMonitor,
+        error: BaseException,
+        where: tuple[int, int, int],
+        budget_bytes: int | None,
+        last_step: StepReport | None,
+        stage: Stage,
+        batch_index: int | None,
+        samples: int,
+    ) -> dict[str, Any]:
+        """An evaluation batch's postmortem: the loop named, its step's working memory, the evaluation's fixes."""
+        world_size, rank, step = where
+        last = monitor.last_phase()
+        monitor.observe_failure(error)  # a step run with grad enabled: its graph so far hangs off the frames
+        tenants_now = self.guard.run("the census at failure", monitor.census)
+        tenants = tenants_now or (last.tenants_bytes if last is not None else {})
+        reading = monitor.read_source()
+        other_now = working = None
+        if reading.allocated_bytes is not None:
+            if tenants_now is not None:
+                other_now = reading.allocated_bytes - sum(tenants_now.values())
+            if last is not None and last.allocated_bytes is not None:
+                working = reading.allocated_bytes - last.allocated_bytes
+        fixes = evaluation_fixes(stage, dict(tenants), working_bytes=working or 0, samples=samples)
+        record = postmortem_record(
+            error=error,
+            last_phase=last,
+            failing_window=f"{LOOP_NAMES[stage]}_step",
+            tenants_now=tenants_now,
+            other_now=other_now,
+            fixes=fixes,
+            fixes_note=EVALUATION_ESTIMATED,
+            budget_bytes=budget_bytes,
+            step=step,
+            rank=rank,
+            last_step=last_step,
+            loop=LOOP_NAMES[stage],
+            batch_index=batch_index,
+        )
+        self.path, _ = write_postmortem(self._directory, record, world_size)
+        if self._recording:
+            dump_snapshot(str(self._snapshot_path("memtenants_oom_snapshot", rank, world_size)))
+        warnings.warn(
+            f"memtenants: out of memory in the {LOOP_NAMES[stage]} loop (batch {batch_index}); postmortem written to"
+            f" {self.path}",
+            stacklevel=1,
+        )
         return record
 
 

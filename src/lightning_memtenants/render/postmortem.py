@@ -11,7 +11,7 @@ from typing import Any
 from lightning_memtenants.analysis.fixes import Fix
 from lightning_memtenants.checks import describe_error
 from lightning_memtenants.core.record import PhaseReport, StepReport
-from lightning_memtenants.names import TENANTS, WINDOW_NAMES, WINDOWS, Tenant
+from lightning_memtenants.names import LOOP_NAMES, TENANTS, WINDOW_NAMES, WINDOWS, Tenant
 from lightning_memtenants.units import mib
 
 
@@ -29,6 +29,8 @@ def postmortem_record(
     step: int = 0,
     rank: int = 0,
     last_step: StepReport | None = None,
+    loop: str = "training",
+    batch_index: int | None = None,
 ) -> dict[str, Any]:
     """What the postmortem says, as JSON types: where it failed, the tenants then and before, and the fixes.
 
@@ -47,6 +49,8 @@ def postmortem_record(
         step: the optimizer step that failed.
         rank: this rank.
         last_step: the last completed step, or None.
+        loop: the loop that failed, in words (``names.LOOP_NAMES``): ``"training"``, ``"validation"``...
+        batch_index: an evaluation batch's index in its loop, or None.
 
     Returns:
         The record; ``fattest_tenant`` is read from the tenants at the failure, else at the last phase. Its
@@ -57,6 +61,8 @@ def postmortem_record(
         tenants["other"] = other_now
     return {
         "error": describe_error(error),
+        "loop": loop,
+        "batch_index": batch_index,
         "rank": rank,
         "step": step,
         "phase": failing_window,
@@ -152,7 +158,7 @@ def postmortem_text(record: dict[str, Any], world_size: int = 1) -> str:
     """
     where = f", rank {record.get('rank')}" if world_size > 1 else ""
     lines = [
-        f"memtenants OOM postmortem: step {record.get('step')}{where}, {record.get('error')}",
+        f"memtenants OOM postmortem: {_where(record)}{where}, {record.get('error')}",
         f"failed in {record.get('phase_description')} ({record.get('phase')}),"
         f" after {record.get('last_completed_phase')}",
         "",
@@ -173,7 +179,7 @@ def postmortem_markdown(record: dict[str, Any]) -> str:
         The markdown.
     """
     lines = [
-        f"### memtenants OOM postmortem: step {record.get('step')}",
+        f"### memtenants OOM postmortem: {_where(record)}",
         "",
         f"`{record.get('error')}`",
         "",
@@ -189,8 +195,19 @@ def postmortem_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines + _fix_lines(record))
 
 
+def _where(record: dict[str, Any]) -> str:
+    """``step 3``, or for an evaluation loop ``validation loop, batch 0, at step 3``."""
+    loop = record.get("loop") or "training"
+    if loop == "training":
+        return f"step {record.get('step')}"
+    return f"{loop} loop, batch {record.get('batch_index')}, at step {record.get('step')}"
+
+
 def _describe(window: str | None) -> str:
     for phase, name in WINDOW_NAMES.items():
         if name == window:
             return WINDOWS[phase]
+    for loop in LOOP_NAMES.values():
+        if window == f"{loop}_step":
+            return f"the {loop} step"
     return "before the first phase"

@@ -8,13 +8,17 @@ allocator reserves (CUDA), ``allocated`` and ``fragmentation`` sum to ``reserved
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from torch import nn
+from torch.optim import Optimizer
+
 from lightning_memtenants.analysis.budget import Budget
+from lightning_memtenants.analysis.fixes import Fix, optimizer_step_temporaries_bytes, ranked_fixes
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.timeline import OTHER_MODULES, OUTSIDE_MODULES
-from lightning_memtenants.names import PARTS, PHASES, TENANTS
+from lightning_memtenants.names import EVALUATION_WINDOWS, LOOP_NAMES, PARTS, PHASES, TENANTS, WINDOWS, Phase, Tenant
 from lightning_memtenants.units import mib
 
 # The columns every table has; the named parts present in a step come after the tenants, and on an allocator
@@ -26,7 +30,11 @@ RESERVED_PEAK = "reserved peak"
 HIGH_WATER = "high-water mark"
 CELL = 16  # the width of a column of the text table, wider where its name is longer
 SUMMARY_HEADING = "memtenants: the fit"
+HEADLINE_HEADING = "memtenants: at a glance"
 NOT_MEASURED = "peak not measured: "
+PEAK_ROW = "peak"
+# At or under this share of the budget the headline says that nothing needs changing rather than name a fix.
+COMFORTABLE_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class Table:
         rows: one row per phase and the high-water marks: a label and one cell per ``columns`` entry.
         lines: the sentences under the table.
         columns: the columns' names (:func:`columns_for`).
+        row_heading: what the rows are, the first column's heading (``phase``; ``tenant`` side by side).
     """
 
     title: str
@@ -46,6 +55,7 @@ class Table:
     rows: list[tuple[str, list[int | None]]]
     lines: list[str]
     columns: tuple[str, ...] = COLUMNS
+    row_heading: str = "phase"
 
 
 def columns_for(report: StepReport) -> tuple[str, ...]:
@@ -74,13 +84,15 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
     """The table of ``report``: its phases, the high-water marks, then the peak, the notes and the fixed cost.
 
     A step whose tenants were carried rather than counted (``tenants_from_step``) says so in its heading, and its
-    notes say from where.
+    notes say from where. An evaluation batch (``stage`` other than ``"train"``) has the rows ``batch_start`` and
+    ``batch_end``, and a line that says what each of their windows holds (``names.EVALUATION_WINDOWS``).
 
     Args:
-        report: the step.
+        report: the step, or an evaluation batch.
         budget_bytes: the run's budget, for a last line with the headroom; None leaves it out.
-        title: the heading; None: ``memtenants: optimizer step N``. Either way a carried step's heading ends with
-            ``(tenants carried from step k, not counted)``.
+        title: the heading; None: ``memtenants: optimizer step N``, or for an evaluation batch
+            ``memtenants: validation batch 7 (dataloader 0), at optimizer step 12``. Either way a carried step's
+            heading ends with ``(tenants carried from step k, not counted)``.
 
     Returns:
         The table, for :func:`to_text` or :func:`to_markdown`.
@@ -122,9 +134,12 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
         reserved_text = (
             "" if report.peak_reserved_bytes is None else f"; peak reserved {mib(report.peak_reserved_bytes)} MiB"
         )
-        lines = [f"peak {mib(report.peak_bytes)} MiB{reserved_text}; {tenants}", report.peak_explanation]
+        window = "" if report.stage == "train" else f" in {_window(report, report.peak_phase)}"
+        lines = [f"peak {mib(report.peak_bytes)} MiB{window}{reserved_text}; {tenants}", report.peak_explanation]
         if report.activations_by_module_bytes:
             lines.append(activations_by_module_line(report))
+    if report.stage != "train":
+        lines.append("windows: " + "; ".join(f"{name} closes {_window(report, name)}" for name in report.phases))
     for name, value in report.parts_bytes.items():
         lines.append(f"{name}: {value:,} bytes at its high-water mark ({PARTS.get(name, 'a named part')})")
     lines.extend(report.notes)
@@ -145,10 +160,40 @@ def step_table(report: StepReport, budget_bytes: int | None = None, title: str |
             lines.append(f"budget {mib(budget_bytes)} MiB; no headroom: the peak was not measured")
         else:
             lines.append(f"budget {mib(budget_bytes)} MiB; headroom {mib(budget_bytes - report.peak_bytes)} MiB")
-    heading = f"memtenants: optimizer step {report.step}" if title is None else title
+    heading = f"memtenants: {step_name(report)}" if title is None else title
     if report.tenants_from_step is not None:  # the notes say how; the heading says that they were
         heading += f" (tenants carried from step {report.tenants_from_step}, not counted)"
     return Table(heading, report.memory_source, rows, lines, columns)
+
+
+def step_name(report: StepReport) -> str:
+    """What a report is, in words: ``optimizer step 3``, or ``validation batch 7 (dataloader 0), at optimizer step 12``.
+
+    Args:
+        report: an optimizer step or an evaluation batch.
+
+    Returns:
+        The words, for a heading.
+    """
+    return f"{'' if report.stage == 'train' else f'{LOOP_NAMES[report.stage]} '}{_which(report)}"
+
+
+def _which(report: StepReport) -> str:
+    """``optimizer step 3``, or ``batch 7 (dataloader 0), at optimizer step 12``: the report within its loop."""
+    if report.stage == "train":
+        return f"optimizer step {report.step}"
+    batch = "" if report.batch_index is None else f" {report.batch_index}"
+    loader = "" if report.dataloader_index is None else f" (dataloader {report.dataloader_index})"
+    return f"batch{batch}{loader}, at optimizer step {report.step}"
+
+
+def _window(report: StepReport, phase: Phase | None) -> str:
+    """What ran in the window that ends at ``phase``, for the report's loop."""
+    if phase is None:
+        return "an unknown window"
+    if report.stage == "train":
+        return WINDOWS[phase]
+    return EVALUATION_WINDOWS.get(phase, WINDOWS[phase]).format(loop=LOOP_NAMES[report.stage])
 
 
 def activations_by_module_line(report: StepReport) -> str:
@@ -187,9 +232,10 @@ def to_text(table: Table) -> str:
     Returns:
         The text, sizes in MiB.
     """
-    width = max(len(name) for name in (*PHASES, HIGH_WATER))
+    width = max(len(name) for name in (*PHASES, HIGH_WATER, *(name for name, _ in table.rows)))
     widths = [max(CELL, len(c) + 1) for c in table.columns]
-    header = f"{'phase (MiB)':<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(table.columns, widths, strict=True))
+    cells = "".join(f"{c:>{w}}" for c, w in zip(table.columns, widths, strict=True))
+    header = f"{f'{table.row_heading} (MiB)':<{width}}{cells}"
     out = [f"{table.title} (memory source: {table.source})", header, "-" * len(header)]
     out += [
         f"{name:<{width}}" + "".join(f"{mib(c):>{w}}" for c, w in zip(cells, widths, strict=True))
@@ -212,11 +258,13 @@ def to_markdown(table: Table) -> str:
         "",
         f"Memory source: {table.source}. Sizes in MiB (2^20 bytes).",
         "",
-        "| phase | " + " | ".join(f"`{c}`" if c in TENANTS or c in PARTS else c for c in table.columns) + " |",
+        f"| {table.row_heading} | "
+        + " | ".join(f"`{c}`" if c in (*TENANTS, *PARTS) else c for c in table.columns)
+        + " |",
         "|---" + "|---:" * len(table.columns) + "|",
     ]
     for name, cells in table.rows:
-        label = f"**{name}**" if name == HIGH_WATER else f"`{name}`"
+        label = f"**{name}**" if name in (HIGH_WATER, PEAK_ROW) else f"`{name}`"
         out.append(f"| {label} | " + " | ".join(mib(c) for c in cells) + " |")
     return "\n".join([*out, "", *(f"- {line}" for line in table.lines)])
 
@@ -249,17 +297,21 @@ def summary_markdown(report: StepReport, budget_bytes: int | None = None) -> str
 
 @dataclass(frozen=True)
 class Summary:
-    """The end-of-fit summary: the tables of the steps shown, then the lines about the fit.
+    """The end-of-fit summary: a headline, the tables of the steps shown, then the lines about the fit.
 
     Args:
         reports: the steps shown, in order (the first, and the last measured).
-        tables: their tables.
+        tables: the side-by-side table of training and the evaluation loops where one ran, then the steps' tables.
         lines: the sentences about the fit under them: a last step left unmeasured, the largest batch.
+        headline: the few lines printed first: the peak, the largest tenant, the one change that would help most.
+        evaluations: the last batch of each evaluation loop that ran in the fit, in the side-by-side table.
     """
 
     reports: list[StepReport]
     tables: list[Table]
     lines: list[str] = field(default_factory=list)
+    headline: list[str] = field(default_factory=list)
+    evaluations: list[StepReport] = field(default_factory=list)
 
 
 def fit_summary(
@@ -272,13 +324,20 @@ def fit_summary(
     margin: float = 0.05,
     how: str = "",
     unmeasured_why: str | None = None,
+    evaluations: Sequence[StepReport] = (),
+    module: nn.Module | None = None,
+    optimizers: Sequence[Optimizer] = (),
+    world_size: int = 1,
 ) -> Summary:
     """The summary printed at the end of fit and written as markdown: one builder, so the two never differ.
 
     It shows the first step (where the optimizer state is born) and the last step whose peak was measured:
     on the CPU the tracker measures only the steps Lightning logs, so the last step of a fit is often not
     measured, and its table would have no allocated bytes and no peak. A line then says which step is shown
-    instead, and why the last was not measured.
+    instead, and why the last was not measured. Above the tables a headline says where the peak was, which tenant
+    was largest, and the one change that would lower the peak most (``analysis.fixes.ranked_fixes``, an estimate),
+    or, where the peak is well under the budget, that nothing needs changing. Where an evaluation loop ran, a
+    table under the headline puts its last batch beside the last measured training step.
 
     Args:
         first: the fit's first step, or None.
@@ -289,6 +348,10 @@ def fit_summary(
         margin: the margin it was found under.
         how: how it was found, in words (``"scaled from a measured step's own allocations (no dry run)"``).
         unmeasured_why: why the last step was not measured, in words, after the report's own reason; None: that alone.
+        evaluations: the last report of each evaluation loop that ran in the fit (``stage`` ``"validate"``...).
+        module: the model, for the headline's fix (fp32 parameters suggest bf16-mixed); None: no fix is named.
+        optimizers: its optimizers, for the fix (the optimizer step's temporaries, Adam's state).
+        world_size: the ranks the optimizer state could be sharded over.
 
     Returns:
         The summary, for :func:`summary_text` or :func:`summary_to_markdown`.
@@ -321,11 +384,140 @@ def fit_summary(
             f"the largest batch is {max_batch_size:,} samples: a steady-state step"
             f" {fits_text(budget_bytes, margin)}{f'; {how}' if how else ''}"
         )
-    return Summary(shown, tables, lines)
+    evaluations = list(evaluations)
+    if evaluations:  # under the headline, whose first line it details
+        tables.insert(0, side_by_side(last, evaluations))
+    fix = None
+    if module is not None:
+        fix = top_fix(_peak_report(shown), module, optimizers, world_size=world_size)
+    headline = headline_lines(shown, evaluations, budget_bytes, margin=margin, fix=fix)
+    return Summary(shown, tables, lines, headline, evaluations)
+
+
+def _peak_report(reports: Sequence[StepReport]) -> StepReport:
+    """The report with the highest measured peak (the first to reach it), else the last."""
+    measured = [r for r in reports if r.peak_bytes is not None]
+    if not measured:
+        return reports[-1]
+    return max(measured, key=lambda r: r.peak_bytes or 0)
+
+
+def top_fix(
+    report: StepReport, module: nn.Module, optimizers: Sequence[Optimizer], *, world_size: int = 1
+) -> Fix | None:
+    """The fix that would lower ``report``'s peak most, estimated from the tenants alive in the peak's window.
+
+    A peak in the forward pass or in backward counts the activations' high-water mark; one in the optimizer step
+    counts the tenants at ``batch_end`` and the step's temporaries; elsewhere the tenants at the peak's boundary.
+
+    Args:
+        report: the step whose peak is to be lowered.
+        module: the model.
+        optimizers: its optimizers.
+        world_size: the ranks the optimizer state could be sharded over.
+
+    Returns:
+        The first of ``analysis.fixes.ranked_fixes``, or None where none applies.
+    """
+    phase = report.phases.get(report.peak_phase) if report.peak_phase is not None else None
+    tenants: dict[str, int] = dict(report.tenants_bytes if phase is None else phase.tenants_bytes)
+    if report.peak_phase in ("before_backward", "after_backward"):
+        tenants["activations"] = report.tenants_bytes["activations"]
+    in_step = report.stage == "train" and report.peak_phase == "batch_end"
+    temporaries = optimizer_step_temporaries_bytes(optimizers) if in_step else 0
+    fixes = ranked_fixes(tenants, module, optimizers, world_size=world_size, temporaries_bytes=temporaries)
+    return fixes[0] if fixes else None
+
+
+def headline_lines(
+    reports: Sequence[StepReport],
+    evaluations: Sequence[StepReport] = (),
+    budget_bytes: int | None = None,
+    *,
+    margin: float = 0.05,
+    fix: Fix | None = None,
+) -> list[str]:
+    """The first lines of the summary: where the peak was, the largest tenant, and what to change, if anything.
+
+    Args:
+        reports: the training steps shown (the highest measured peak among them is the fit's).
+        evaluations: the last batch of each evaluation loop, whose peaks are put beside training's.
+        budget_bytes: the budget, or None.
+        margin: the fraction of the budget kept free.
+        fix: the change that would lower the peak most (:func:`top_fix`), or None.
+
+    Returns:
+        Up to three lines: the peaks (against the budget), the largest tenant's share of the peak, and the fix,
+        or that nothing needs changing where the highest peak is at most ``COMFORTABLE_SHARE`` of the budget.
+    """
+    report = _peak_report(reports)
+    peaks = [f"training {_peak_words(report)}"]
+    peaks += [f"{LOOP_NAMES[e.stage]} {_peak_words(e)}" for e in evaluations]
+    known = [r.peak_bytes for r in (report, *evaluations) if r.peak_bytes is not None]
+    highest = max(known) if known else None
+    first = "peak: " + " | ".join(peaks)
+    if budget_bytes is not None and highest is not None:
+        first += f"; {_percent(highest / budget_bytes)} of the budget ({mib(budget_bytes)} MiB)"
+    largest: Tenant = report.largest_tenant
+    second = f"largest tenant: {largest} {mib(report.tenants_bytes[largest])} MiB"
+    if report.peak_bytes:
+        second += f", {_percent(report.tenants_bytes[largest] / report.peak_bytes)} of the training peak"
+    lines = [first, second]
+    estimate = "" if fix is None else f"{fix.action} (saves about {mib(fix.saves_bytes)} MiB, an estimate)"
+    if budget_bytes is None or highest is None:
+        if fix is not None:
+            lines.append(f"to lower the peak most: {estimate}")
+        return lines
+    share = highest / budget_bytes
+    limit = Budget(budget_bytes, margin).limit_bytes
+    if share <= COMFORTABLE_SHARE:
+        lines.append(f"nothing needs changing: the peak is {_percent(share)} of the budget")
+    elif highest > limit:
+        over = f"over the budget: {mib(highest - limit)} MiB above {mib(limit)} MiB"
+        over += f" (the budget less a {margin:.0%} margin)"
+        lines.append(f"{over}; the change that would help most: {estimate}" if fix is not None else over)
+    else:
+        close = f"it fits, {mib(budget_bytes - highest)} MiB under the budget"
+        lines.append(f"{close}; to lower the peak most: {estimate}" if fix is not None else close)
+    return lines
+
+
+def _percent(share: float) -> str:
+    """``37%``; ``under 1%`` rather than ``0%`` for a share that is not nothing."""
+    return "under 1%" if 0 < share < 0.005 else f"{share:.0%}"
+
+
+def _peak_words(report: StepReport) -> str:
+    """``513.16 MiB (step 0, the optimizer step)``, ``120.40 MiB (batch 7)``, or ``not measured (why)``."""
+    if report.peak_bytes is None:
+        return f"not measured ({report.peak_explanation.removeprefix(NOT_MEASURED) or 'no memory source'})"
+    if report.stage == "train":
+        return f"{mib(report.peak_bytes)} MiB (step {report.step}, {_window(report, report.peak_phase)})"
+    return f"{mib(report.peak_bytes)} MiB (batch {report.batch_index})"
+
+
+def side_by_side(training: StepReport, evaluations: Sequence[StepReport]) -> Table:
+    """Training's step beside each evaluation loop's last batch: each tenant's high-water mark, other and the peak.
+
+    Args:
+        training: the training step shown (the last measured).
+        evaluations: the last batch of each evaluation loop.
+
+    Returns:
+        A table with one column per loop and the rows ``TENANTS``, ``other`` and ``peak``.
+    """
+    reports = [training, *evaluations]
+    columns = tuple(LOOP_NAMES[r.stage] for r in reports)
+    rows: list[tuple[str, list[int | None]]] = [(t, [r.tenants_bytes[t] for r in reports]) for t in TENANTS]
+    rows += [("other", [r.other_bytes for r in reports]), (PEAK_ROW, [r.peak_bytes for r in reports])]
+    title = f"memtenants: {', '.join(columns[:-1])} and {columns[-1]} side by side"
+    columns_text = "; ".join(f"{LOOP_NAMES[r.stage]}: {_which(r)}" for r in reports)
+    lines = [f"{columns_text}; each column holds the high-water marks and the peak over its step or batch"]
+    return Table(title, training.memory_source, rows, lines, columns, row_heading="tenant")
 
 
 def summary_text(summary: Summary) -> str:
-    """The summary as plain text: each table (:func:`to_text`), then the lines about the fit.
+    """The summary as plain text: the headline, each table (:func:`to_text`), then the lines about the fit.
 
     Args:
         summary: what :func:`fit_summary` built.
@@ -334,21 +526,25 @@ def summary_text(summary: Summary) -> str:
         The text.
     """
     out = [to_text(table) for table in summary.tables]
+    if summary.headline:
+        out.insert(0, "\n".join([HEADLINE_HEADING, *(f"- {line}" for line in summary.headline)]))
     if summary.lines:
         out.append("\n".join([SUMMARY_HEADING, *(f"- {line}" for line in summary.lines)]))
     return "\n\n".join(out)
 
 
 def summary_to_markdown(summary: Summary) -> str:
-    """The summary as markdown: each table (:func:`to_markdown`), then the lines about the fit.
+    """The summary as markdown: the headline, each table (:func:`to_markdown`), then the lines about the fit.
 
     Args:
         summary: what :func:`fit_summary` built.
 
     Returns:
-        The markdown: the same tables and lines as :func:`summary_text`, in the same order.
+        The markdown: the same headline, tables and lines as :func:`summary_text`, in the same order.
     """
     out = [to_markdown(table) for table in summary.tables]
+    if summary.headline:
+        out.insert(0, "\n".join([f"### {HEADLINE_HEADING}", "", *(f"- {line}" for line in summary.headline)]))
     if summary.lines:
         out.append("\n".join([f"### {SUMMARY_HEADING}", "", *(f"- {line}" for line in summary.lines)]))
     return "\n\n".join(out)

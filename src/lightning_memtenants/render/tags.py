@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from lightning_memtenants.core.record import StepReport
-from lightning_memtenants.names import PHASES, TENANTS
+from lightning_memtenants.names import LOOP_NAMES, PHASES, TENANTS
 from lightning_memtenants.units import MiB
 
 ROOT = "memtenants"
@@ -62,6 +62,43 @@ def metrics(report: StepReport, separator: str = "/") -> dict[str, float]:
     for name, value in report.parts_bytes.items():
         values[("part", f"{name}_MiB")] = value
     out = {tag(*key, separator=separator): v / MiB for key, v in values.items() if v is not None}
+    return dict(sorted(out.items()))
+
+
+def evaluation_metrics(
+    report: StepReport,
+    separator: str = "/",
+    *,
+    headroom_bytes: int | None = None,
+    max_batch_size: int | None = None,
+) -> dict[str, float]:
+    """The scalars logged for an evaluation loop, under ``memtenants/<loop>/`` (``validation``, ``test``, ``predict``).
+
+    They are the figures of the loop's measured batch with the highest peak: its tenants, the peak, ``other`` and
+    what was allocated at its start; with a budget, the headroom and the largest batch of that loop.
+
+    Args:
+        report: the batch (``stage`` not ``"train"``).
+        separator: the logger's ``group_separator``.
+        headroom_bytes: the budget less the peak, or None.
+        max_batch_size: the largest evaluation batch that fits the budget less the margin, or None.
+
+    Returns:
+        Each tag and its value (MiB, or samples for ``max_batch_size``); figures not measured are left out.
+    """
+    loop = LOOP_NAMES[report.stage]
+    values: dict[str, int | None] = {f"{name}_MiB": v for name, v in report.tenants_bytes.items()}
+    values["tenant_sum_MiB"] = report.tenant_sum_bytes
+    values["peak_MiB"] = report.peak_bytes
+    values["peak_minus_sum_MiB"] = report.peak_minus_sum_bytes
+    values["peak_reserved_MiB"] = report.peak_reserved_bytes
+    values["other_MiB"] = report.other_bytes
+    start = report.phases.get("batch_start")
+    values["allocated_at_start_MiB"] = start.allocated_bytes if start is not None else None
+    values["headroom_MiB"] = headroom_bytes
+    out = {tag(loop, key, separator=separator): v / MiB for key, v in values.items() if v is not None}
+    if max_batch_size is not None:
+        out[tag(loop, "max_batch_size", separator=separator)] = float(max_batch_size)
     return dict(sorted(out.items()))
 
 

@@ -180,6 +180,33 @@ def figure_rgb(figure: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
+def desk_pixels(report: StepReport, budget_bytes: int | None = None) -> np.ndarray:
+    """The desk of ``report`` rendered once as RGB pixels, for TensorBoard, the PNG and any other logger.
+
+    Args:
+        report: the step.
+        budget_bytes: the budget, or None.
+
+    Returns:
+        The ``H x W x 3`` uint8 pixels of :func:`desk_figure`.
+    """
+    return figure_rgb(desk_figure(report, budget_bytes))
+
+
+def timeline_pixels(report: StepReport, budget_bytes: int | None = None) -> np.ndarray | None:
+    """The timeline of ``report`` rendered once as RGB pixels, or None where the step recorded none.
+
+    Args:
+        report: the step (a timeline is recorded on the steps the live-tensor tracker measures).
+        budget_bytes: the budget, or None.
+
+    Returns:
+        The ``H x W x 3`` uint8 pixels of :func:`timeline_figure`, or None.
+    """
+    line = timeline_of(report)
+    return None if line is None else figure_rgb(timeline_figure(line, budget_bytes))
+
+
 class TensorBoardPanels:
     """Writes the layout, the desk picture and the summary to a run's TensorBoard writers.
 
@@ -218,6 +245,7 @@ class TensorBoardPanels:
 
     Attributes:
         drawing_s: the seconds spent drawing pictures since this object was made, the end of fit's included.
+        end_pictures: the end of fit's pixels by name (``desk``, ``timeline``), kept for the other loggers.
         pictures: the desk pictures drawn during the fit (not counting the end of fit's).
         skipped: the desk pictures the cadence asked for that the budget left out.
 
@@ -264,6 +292,7 @@ class TensorBoardPanels:
         self.drawing_s = 0.0
         self.pictures = 0
         self.skipped = 0
+        self.end_pictures: dict[str, np.ndarray] = {}
         self._cost_s = float(first_pair_s)  # what the last in-fit pair cost: the estimate of the next one's
         self._every = desk_every_n_logs
         if desk_every_n_logs and planned_logs is not None and max_pictures > 1:
@@ -363,29 +392,30 @@ class TensorBoardPanels:
     def _desk(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
         if report.step == self._drawn and not save:
             return
-        pixels = figure_rgb(desk_figure(report, budget_bytes))  # rendered once, for the event and the PNG
+        pixels = desk_pixels(report, budget_bytes)  # rendered once, for the event, the PNG and the other loggers
         if report.step != self._drawn:
             self._drawn = report.step
             self._each("add_image", self._tag(DESK), pixels, step, dataformats="HWC")
         if save:
+            self.end_pictures[DESK] = pixels
             self._save(pixels, DESK_PNG)
 
     def _timeline(self, report: StepReport, step: int, budget_bytes: int | None, save: bool) -> None:
-        line = timeline_of(report)
-        if line is None:  # a step the live-tensor tracker did not measure (or a CUDA run): no timeline
-            return
         if report.step == self._timeline_drawn and not save:
             return
-        pixels = figure_rgb(timeline_figure(line, budget_bytes))
+        pixels = timeline_pixels(report, budget_bytes)
+        if pixels is None:  # a step the live-tensor tracker did not measure (or a CUDA run): no timeline
+            return
         if report.step != self._timeline_drawn:
             self._timeline_drawn = report.step
             self._each("add_image", self._tag(TIMELINE), pixels, step, dataformats="HWC")
         if save:
+            self.end_pictures[TIMELINE] = pixels
             self._save(pixels, TIMELINE_PNG)
 
     def _desk_first(self, report: StepReport, budget_bytes: int | None) -> None:
         """The first step's desk, where the optimizer state appears, saved beside the last step's."""
-        self._save(figure_rgb(desk_figure(report, budget_bytes)), DESK_FIRST_PNG)
+        self._save(desk_pixels(report, budget_bytes), DESK_FIRST_PNG)
 
     def _save(self, pixels: np.ndarray, name: str) -> None:
         """The rendered pixels as a PNG in each log dir (no second rendering, as ``savefig`` would do)."""
