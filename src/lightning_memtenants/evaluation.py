@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from lightning_memtenants.core.guard import Guard
 from lightning_memtenants.core.record import PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.session import SourceSession
 from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource
-from lightning_memtenants.core.storage import HostState, batch_tensors, optimizer_state_tensors
+from lightning_memtenants.core.storage import HostState, batch_tensors, module_device, optimizer_state_tensors
 from lightning_memtenants.names import EVALUATION_STAGES, LOOP_NAMES, TENANTS, Phase, Stage, Tenant
 
 
@@ -72,15 +71,7 @@ class EvaluationMonitor:
     ) -> None:
         if source is not None and not isinstance(source, MemorySource):
             raise ValueError(f"source must be None or a MemorySource, got {brief(source)}")
-        if device is None:
-            first = next(chain(module.parameters(), module.buffers()), None)
-            device = first.device if first is not None else torch.device("cpu")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(
-                f"device must be None, a torch.device or a name like 'cuda:0', got {brief(device)}"
-            ) from None
+        self.device = module_device(module, device)
         self.module = module
         self.optimizers = list(optimizers)
         self.host_state = host_state

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from itertools import chain
 from operator import is_
 from typing import Any
 
@@ -42,7 +41,13 @@ from lightning_memtenants.core.micro import Diverged, MicroBatches, compared
 from lightning_memtenants.core.record import GraphCounts, PhaseReport, StepReport, fixed_bytes
 from lightning_memtenants.core.session import SourceSession
 from lightning_memtenants.core.sources import MemorySource, Reading, TrackerSource, source_for
-from lightning_memtenants.core.storage import HostState, batch_tensors, local_optimizer, optimizer_state_tensors
+from lightning_memtenants.core.storage import (
+    HostState,
+    batch_tensors,
+    local_optimizer,
+    module_device,
+    optimizer_state_tensors,
+)
 from lightning_memtenants.core.timeline import StepTimeline, TimelineRecorder, keep_timeline, tenant_keys
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, WINDOWS, Measurement, Part, Phase, Tenant
 
@@ -116,15 +121,7 @@ class TenantMonitor:
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
-        if device is None:
-            first = next(chain(module.parameters(), module.buffers()), None)
-            device = first.device if first is not None else torch.device("cpu")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(
-                f"device must be None, a torch.device or a name like 'cuda:0', got {brief(device)}"
-            ) from None
+        self.device = module_device(module, device)
         if isinstance(source, str) and source == "auto":
             source = source_for(self.device)
         elif source is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memtenants._private import local_tensor
+from lightning_memtenants.checks import brief
 
 __all__ = [
     "HostState",
@@ -244,3 +245,25 @@ def optimizer_state_tensors(optimizers: Iterable[Optimizer], host_state: HostSta
                     yield value
                 else:
                     yield from tensors_in(value)
+
+
+def module_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    """``device`` checked, or where ``module`` lives (its first parameter or buffer), else the CPU.
+
+    Args:
+        module: the model.
+        device: a device, a name like ``"cuda:0"``, or None.
+
+    Returns:
+        The device.
+
+    Raises:
+        ValueError: if ``device`` names no device.
+    """
+    if device is None:
+        first = next(chain(module.parameters(), module.buffers()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be None, a torch.device or a name like 'cuda:0', got {brief(device)}") from None
