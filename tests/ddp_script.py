@@ -7,7 +7,8 @@ Modes: ``ddp`` (Adam; then ZeroRedundancyOptimizer with gradient_as_bucket_view=
 ``fsdp`` (FSDP2 ``fully_shard`` through Lightning's ModelParallelStrategy, which runs on CPU with gloo),
 ``fault`` (the census fails on rank 1 only: both ranks must finish), ``crash`` (rank 1's training_step
 raises: the run must end, not hang), ``oom-one`` and ``oom-both`` (``torch.OutOfMemoryError`` on rank 1, or
-on both: the run ends and each failing rank writes its own postmortem), ``oom-plain`` (``oom-one`` without the
+on both: the run ends and each failing rank writes its own postmortem), ``oom-val-one`` (rank 1 runs out in
+the sanity check's second validation batch, before training starts), ``oom-plain`` (``oom-one`` without the
 callback, to time against), ``budget`` (ranks train on sequences of different lengths under a budget: the
 largest batch logged is the minimum over ranks).
 """
@@ -62,6 +63,11 @@ class Net(L.LightningModule):
             # out of memory in the forward of one rank, while the other goes on into backward's allreduce
             raise torch.OutOfMemoryError(f"CUDA out of memory on rank {self.global_rank} (injected)")
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.oom == "val-one" and batch_idx == 1 and self.global_rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory in validation on rank 1 (injected)")
+        return self.net(batch[0]).pow(2).mean()
 
     def configure_optimizers(self) -> Any:
         if self.zero:
@@ -158,7 +164,8 @@ def fit(
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
-    trainer.fit(Net(zero, crash, fsdp, oom), DataLoader(data, batch_size=8))
+    val = DataLoader(data, batch_size=16) if oom == "val-one" else None  # the other runs have no validation loop
+    trainer.fit(Net(zero, crash, fsdp, oom), DataLoader(data, batch_size=8), val)
     return cb, logger
 
 
@@ -207,7 +214,7 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    if mode.startswith("oom"):  # oom-one, oom-both, oom-plain (rank 1, without the callback): the run must end
+    if mode.startswith("oom"):  # oom-one, oom-both, oom-val-one, oom-plain (oom-one without the callback): it ends
         # the postmortem goes to the default directory, the one ``trainer.log_dir`` names (here the working one)
         fit(oom="one" if mode == "oom-plain" else mode.removeprefix("oom-"), ours=mode != "oom-plain")
     cb, logger = fit(crash=mode == "crash", fsdp=mode == "fsdp")

@@ -181,6 +181,23 @@ def test_each_failing_rank_writes_its_own_postmortem(tmp_path: Path) -> None:
         )
 
 
+def test_a_rank_out_of_memory_in_validation_names_the_loop_and_its_rank(tmp_path: Path) -> None:
+    """Rank 1 fails in the sanity check's second validation batch, before ``on_train_start``: the file still
+    carries its rank (read in ``setup``), and the record names the loop and the batch."""
+    done = launch("oom-val-one", tmp_path, timeout=120)
+    assert done.returncode != 0 and "CUDA out of memory in validation on rank 1 (injected)" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("memtenants")) == [
+        "memtenants_oom_rank1.json",
+        "memtenants_oom_rank1.txt",
+    ]
+    record = json.loads((tmp_path / "memtenants_oom_rank1.json").read_text())
+    assert (record["rank"], record["loop"], record["batch_index"], record["step"]) == (1, "validation", 1, 0)
+    assert record["phase"] == "validation_step"
+    # the weights of Net, nothing else: no gradient or optimizer state exists before the first training step
+    assert record["tenants_at_failure_bytes"]["weights"] == P * 4
+    assert record["tenants_at_failure_bytes"]["optimizer_state"] == 0
+
+
 def test_the_largest_batch_logged_is_the_minimum_over_ranks(tmp_path: Path) -> None:
     """Rank 1 trains on sequences twice as long as rank 0's, so it fits about half the batch; rank zero logs that."""
     done = launch("budget", tmp_path)

@@ -220,3 +220,23 @@ def test_the_warning_comes_before_a_validation_oom_and_the_postmortem_names_the_
     assert record["fixes"][0]["action"].startswith("halve the validation batch size")
     assert "validation loop, batch 0, at step 1" in (tmp_path / "memtenants_oom.txt").read_text()
     assert nothing_registered()
+
+
+class FailsInTheSanityCheck(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise torch.OutOfMemoryError("out of memory in the sanity check (injected)")
+
+
+def test_an_oom_in_a_fit_s_sanity_check_leaves_its_postmortem_in_the_log_dir(tmp_path) -> None:
+    """The sanity check runs before ``on_train_start``, which reads the log dir for training: the evaluation loop
+    reads it too, so that the postmortem is where the fit's logs are, not in the working directory."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = MemoryTenantsCallback(print_summary=False)
+    trainer = make_trainer([cb], steps=1, logger=CSVLogger(tmp_path), num_sanity_val_steps=1)
+    with warnings.catch_warnings(), pytest.raises(torch.OutOfMemoryError):
+        warnings.simplefilter("ignore")
+        trainer.fit(FailsInTheSanityCheck(), loader(8, 4), loader(8, 4))
+    record = json.loads((tmp_path / "lightning_logs" / "version_0" / "memtenants_oom.json").read_text())
+    assert (record["loop"], record["batch_index"], record["step"]) == ("validation", 0, 0)
+    assert nothing_registered()

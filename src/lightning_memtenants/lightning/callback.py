@@ -461,6 +461,7 @@ class MemoryTenantsCallback(Callback):
             # which Lightning calls after setup
             self._alerts = self._new_alerts()
         self._postmortem.path = None
+        self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)  # for the files' names
         loops: tuple[Stage, ...] = ("validate",) if stage == "fit" else ((stage,) if stage in STAGES else ())  # type: ignore[assignment]
         self._loops.reset(loops)
         for loop in loops:
@@ -824,10 +825,9 @@ class MemoryTenantsCallback(Callback):
         """A loop run's monitor: inside a fit on the training monitor's source; else on a source of its own."""
         if self._monitor is not None:
             source, owned = self._monitor.source, False
-        else:
-            if not self._fitting:  # a stand-alone validate, test or predict: nothing else has read these
-                self._rank, self._world_size = int(trainer.global_rank), int(trainer.world_size)
-                self._read_log_dir(trainer)
+        else:  # a stand-alone validate, test or predict, or a fit's sanity check: nothing has read the log dir yet
+            self._read_log_dir(trainer)
+            if not self._fitting:
                 self._postmortem.start(pl_module.device)
             source, owned = self._make_source(pl_module), True
         budget = self._budget_now(pl_module)
