@@ -240,3 +240,17 @@ def test_an_oom_in_a_fit_s_sanity_check_leaves_its_postmortem_in_the_log_dir(tmp
     record = json.loads((tmp_path / "lightning_logs" / "version_0" / "memtenants_oom.json").read_text())
     assert (record["loop"], record["batch_index"], record["step"]) == ("validation", 0, 0)
     assert nothing_registered()
+
+
+def test_the_summary_sets_the_validation_loop_s_peak_batch_beside_training(capsys) -> None:
+    """Validation on 80 samples in batches of 32 ends with a batch of 16: the headline and the side-by-side table
+    show the peak of a batch of 32, not the last batch's."""
+    cb = MemoryTenantsCallback()
+    make_trainer([cb], steps=1, num_sanity_val_steps=0).fit(Net(), loader(4, 4), loader(80, 32))
+    out = capsys.readouterr().out
+    held = weights_bytes(256) + adam_bytes(256)
+    last = cb.latest_validation
+    assert last.batch_index == 2 and last.peak_bytes == held + batch_bytes(16) + 2 * 16 * 256 * 4
+    peak = held + batch_bytes(32) + 2 * 32 * 256 * 4
+    assert cb.evaluation_peak("validate").peak_bytes == peak
+    assert f"| validation {peak / MiB:.2f} MiB (batch 0)" in out

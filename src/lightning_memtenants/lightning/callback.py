@@ -97,11 +97,20 @@ class MemoryTenantsCallback(Callback):
     Scalars go to the trainer's loggers on the steps Lightning logs (and the first), under
     ``memtenants`` and the logger's separator.
 
+    Validation, test and predict batches are measured too (``batch_start`` and ``batch_end``, with the
+    step's peak between them): the first four batches of each loop run and its last, or every batch on an
+    accelerator or with ``track_every_step``. The budget warns before an evaluation batch that would not fit,
+    an OOM in one gets a postmortem naming the loop, and each run's figures go to the loggers at its end
+    under ``memtenants/validation/...`` (``test``, ``predict``; docs/tags.md).
+
     At the end of fit, rank zero prints a summary to standard output (``print``, where Lightning prints
-    ``trainer.validate``'s and ``trainer.test``'s results, not the logging on standard error): the table of the
-    first step and of the last step whose peak was measured, and the largest batch for the budget. With a
-    TensorBoardLogger the same summary, in markdown, goes to ``<log_dir>/memtenants_summary.md`` and to
-    TensorBoard's text tab (``memtenants/summary``); the printed text ends with that file's path.
+    ``trainer.validate``'s and ``trainer.test``'s results, not the logging on standard error): a headline (the
+    peak, the largest tenant, and the one change that lowers the peak most), the training and validation peaks
+    side by side, the table of the first step and of the last step whose peak was measured, and the largest
+    batch for the budget. The same summary, in markdown, goes to ``<log_dir>/memtenants_summary.md`` (beside a
+    CSVLogger's ``metrics.csv``), to TensorBoard's text tab (``memtenants/summary``), and to W&B and MLflow with
+    the pictures; the printed text ends with the file's path. A stand-alone ``trainer.validate``, ``test`` or
+    ``predict`` prints its peak batch's table.
 
     Args:
         track_activations: count what autograd saves for backward, read from the loss's graph
@@ -148,6 +157,8 @@ class MemoryTenantsCallback(Callback):
         latest: the report of the last optimizer step of the last fit, or None.
         latest_measured: the last report whose peak was measured, or None.
         first: the report of the first optimizer step, or None.
+        latest_validation: the report of the last validation batch of the last run of that loop, or None;
+            ``latest_test`` and ``latest_predict`` likewise. Their ``stage`` names the loop.
 
     Raises:
         ValueError: if an argument has the wrong type or value.
@@ -644,7 +655,7 @@ class MemoryTenantsCallback(Callback):
             margin=self.margin,
             how=how,
             unmeasured_why=why,
-            evaluations=[r for r in (self.latest_validation,) if r is not None],
+            evaluations=[r for r in (self.evaluation_peak("validate"),) if r is not None],
             module=pl_module,
             optimizers=list(trainer.optimizers),
             world_size=self._world_size,

@@ -304,7 +304,7 @@ class Summary:
         tables: the side-by-side table of training and the evaluation loops where one ran, then the steps' tables.
         lines: the sentences about the fit under them: a last step left unmeasured, the largest batch.
         headline: the few lines printed first: the peak, the largest tenant, the one change that would help most.
-        evaluations: the last batch of each evaluation loop that ran in the fit, in the side-by-side table.
+        evaluations: the peak batch of each evaluation loop that ran in the fit, in the side-by-side table.
     """
 
     reports: list[StepReport]
@@ -348,7 +348,8 @@ def fit_summary(
         margin: the margin it was found under.
         how: how it was found, in words (``"scaled from a measured step's own allocations (no dry run)"``).
         unmeasured_why: why the last step was not measured, in words, after the report's own reason; None: that alone.
-        evaluations: the last report of each evaluation loop that ran in the fit (``stage`` ``"validate"``...).
+        evaluations: the measured batch with the highest peak of each evaluation loop that ran in the fit
+            (``stage`` ``"validate"``...).
         module: the model, for the headline's fix (fp32 parameters suggest bf16-mixed); None: no fix is named.
         optimizers: its optimizers, for the fix (the optimizer step's temporaries, Adam's state).
         world_size: the ranks the optimizer state could be sharded over.
@@ -441,7 +442,7 @@ def headline_lines(
 
     Args:
         reports: the training steps shown (the highest measured peak among them is the fit's).
-        evaluations: the last batch of each evaluation loop, whose peaks are put beside training's.
+        evaluations: the peak batch of each evaluation loop, whose peaks are put beside training's.
         budget_bytes: the budget, or None.
         margin: the fraction of the budget kept free.
         fix: the change that would lower the peak most (:func:`top_fix`), or None.
@@ -497,11 +498,11 @@ def _peak_words(report: StepReport) -> str:
 
 
 def side_by_side(training: StepReport, evaluations: Sequence[StepReport]) -> Table:
-    """Training's step beside each evaluation loop's last batch: each tenant's high-water mark, other and the peak.
+    """Training's step beside each evaluation loop's peak batch: each tenant's high-water mark, other and the peak.
 
     Args:
         training: the training step shown (the last measured).
-        evaluations: the last batch of each evaluation loop.
+        evaluations: the peak batch of each evaluation loop.
 
     Returns:
         A table with one column per loop and the rows ``TENANTS``, ``other`` and ``peak``.
