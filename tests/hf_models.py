@@ -83,6 +83,23 @@ class DemoTransformer(LightningTransformer):
         pass
 
 
+class Validated:
+    """A validation step as users write it: the training loss on held-out batches, logged."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.training_step(batch, batch_idx)  # type: ignore[attr-defined]
+        self.log("val_loss", loss)  # type: ignore[attr-defined]
+        return loss
+
+
+class ValidatedHFModule(Validated, HFModule):
+    pass
+
+
+class ValidatedDemoTransformer(Validated, DemoTransformer):
+    pass
+
+
 def hf_model(name: str) -> nn.Module:
     """The Hugging Face model, freshly initialised from its config (sdpa attention, the default)."""
     import transformers as tf
@@ -139,17 +156,17 @@ def hf_model(name: str) -> nn.Module:
     raise ValueError(f"no Hugging Face model named {name!r}")
 
 
-def build_module(spec: Spec) -> L.LightningModule:
-    """The LightningModule of ``spec``, the same parameters on every call."""
+def build_module(spec: Spec, validate: bool = False) -> L.LightningModule:
+    """The LightningModule of ``spec``, the same parameters on every call; with ``validate``, a validation step."""
     torch.manual_seed(0)
-    if spec.model == "demo":
-        return DemoTransformer(vocab_size=VOCAB)  # 2 layers of width 200, its own training step and SGD
+    if spec.model == "demo":  # 2 layers of width 200, its own training step and SGD
+        return (ValidatedDemoTransformer if validate else DemoTransformer)(vocab_size=VOCAB)
     model = hf_model(spec.model)
     if spec.ckpt:
         with warnings.catch_warnings():  # 5.x renamed it activation_checkpointing_enable; the old name still works
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable()  # HF's default: use_reentrant=False
-    return HFModule(model)
+    return (ValidatedHFModule if validate else HFModule)(model)
 
 
 def padding_mask() -> Tensor:

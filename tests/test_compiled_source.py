@@ -1,4 +1,5 @@
-"""A torch.compile'd CPU fit is measured: the tracker sees the buffers inductor's generated code allocates.
+"""A torch.compile'd CPU fit is measured: the tracker sees the buffers inductor's generated code allocates, in
+training and in the validation loop, whose compiled forward under inference mode is a graph of its own.
 
 Inductor's CPU wrapper allocates with ``torch._C._dynamo.guards._empty_strided_cpu``, outside the dispatcher. The
 independent count is PyTorch's profiler: with ``profile_memory=True`` the CPU allocator reports every allocation and
@@ -33,18 +34,22 @@ MARK = "memtenants-oracle:"
 
 
 class Net(L.LightningModule):
-    """A compiled Linear(8, 32), GELU, Linear(32, 4); loss ``out.pow(2).mean()``; Adam."""
+    """A compiled Linear(8, 32), GELU, Linear(32, 4); loss ``out.pow(2).mean()``; Adam. Validation keeps nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.compile(nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT)))
         self.losses: list[bytes] = []
+        self.validated: list[bytes] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.net(batch[0]).pow(2).mean()
         self.losses.append(loss.detach().numpy().tobytes())
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validated.append(self.net(batch[0]).sum().numpy().tobytes())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters())
@@ -72,6 +77,12 @@ class Marks(L.Callback):
     def on_train_batch_end(self, *args: Any) -> None:
         self._mark("batch_end")
 
+    def on_validation_batch_start(self, *args: Any) -> None:
+        self._mark("validation_start")
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self._mark("validation_end")
+
 
 def loader() -> DataLoader:
     data = torch.randn(3 * BATCH, IN, generator=torch.Generator().manual_seed(0))
@@ -79,8 +90,8 @@ def loader() -> DataLoader:
 
 
 def profiled_windows(prof: Any, temporaries: bool) -> list[dict[str, tuple[int, int]]]:
-    """Per step, per phase boundary: (bytes allocated then, peak of the window ending there), from the profiler's
-    CPU allocation events, relative to the fit's start.
+    """Per step or validation batch, per boundary: (bytes allocated then, peak of the window ending there), from the
+    profiler's CPU allocation events, relative to the fit's start.
 
     Without ``temporaries``, a block that an ATen operator called from Python allocates and frees again inside
     itself is left out: the live-tensor tracker counts what operators return, at their ends, and so sees none.
@@ -130,7 +141,7 @@ def profiled_windows(prof: Any, temporaries: bool) -> list[dict[str, tuple[int, 
     current = peak = 0
     for _, is_mark, size, name in events:
         if is_mark:
-            if name == "batch_start":
+            if name in ("batch_start", "validation_start"):
                 steps.append({})
             steps[-1][name] = (current, peak)
             peak = current
@@ -149,17 +160,23 @@ def fit(callback: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         if callback:
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                make_trainer(callbacks, steps=3).fit(model, loader())
+                make_trainer(callbacks, steps=3, num_sanity_val_steps=0).fit(model, loader(), loader())
         else:
-            make_trainer([], steps=3).fit(model, loader())
+            make_trainer([], steps=3, num_sanity_val_steps=0).fit(model, loader(), loader())
     return {
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "losses": model.losses,
+        "validated": model.validated,
         "report": callbacks[0].latest if callback else None,  # type: ignore[attr-defined]
+        "validation": callbacks[0].latest_validation if callback else None,  # type: ignore[attr-defined]
         "oracle": profiled_windows(prof, temporaries=False) if callback else None,
         "raw": profiled_windows(prof, temporaries=True) if callback else None,
         "ours": [str(w.message) for w in caught if "memtenants" in str(w.message)],
     }
+
+
+def training(windows: list[dict[str, tuple[int, int]]]) -> list[dict[str, tuple[int, int]]]:
+    return [w for w in windows if "batch_start" in w]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +190,8 @@ def runs() -> dict[str, dict[str, Any]]:
 
 
 def test_a_compiled_step_is_measured_to_the_byte_at_every_phase(runs: dict[str, dict[str, Any]]) -> None:
-    report, oracle, raw = runs["measured"]["report"], runs["measured"]["oracle"][-1], runs["measured"]["raw"][-1]
+    report = runs["measured"]["report"]
+    oracle, raw = (training(runs["measured"][key])[-1] for key in ("oracle", "raw"))
     assert runs["measured"]["ours"] == []
     assert report.graph.compiled
     assert report.memory_source == "live-tensor tracker (cpu)"
@@ -199,8 +217,10 @@ def test_a_compiled_step_is_measured_to_the_byte_at_every_phase(runs: dict[str, 
 
 def test_measuring_compiles_the_same_graphs_and_leaves_nothing_behind(runs: dict[str, dict[str, Any]]) -> None:
     plain, measured = runs["plain"], runs["measured"]
-    assert measured["graphs"] == plain["graphs"] == 1
+    # the training graph, and the validation forward's under inference mode
+    assert measured["graphs"] == plain["graphs"] == 2
     assert measured["losses"] == plain["losses"] and len(plain["losses"]) == 3
+    assert measured["validated"] == plain["validated"] and len(plain["validated"]) == 3
     assert nothing_registered()
     guards = vars(torch._C._dynamo.guards)
     assert type(guards["_empty_strided_cpu"]).__name__ == "builtin_function_or_method"
@@ -247,3 +267,22 @@ def test_a_bare_tracker_sees_a_compiled_forward_and_backward_beside_a_patch_of_t
         for namespace in modules:
             namespace["empty_strided_cpu"] = original
     assert calls[:3] == [(BATCH, HIDDEN), (BATCH, HIDDEN), (BATCH, OUT)]
+
+
+def test_a_compiled_validation_batch_is_measured_to_the_byte(runs: dict[str, dict[str, Any]]) -> None:
+    """The last validation batch's peak over its start, against the profiler's blocks in the same window."""
+    report = runs["measured"]["validation"]
+    (last_oracle, last_raw) = (
+        [w for w in runs["measured"][key] if "validation_end" in w][-1] for key in ("oracle", "raw")
+    )
+    assert report is not None and report.stage == "validate" and report.batch_index == 2
+    start = report.phases["batch_start"].allocated_bytes
+    begin = last_raw["validation_start"][0]
+    assert (
+        report.peak_bytes - start == last_raw["validation_end"][1] - begin == last_oracle["validation_end"][1] - begin
+    )
+    # nothing outlives the step: validation_step appends bytes, no tensor
+    assert report.phases["batch_end"].allocated_bytes == start
+    assert last_raw["validation_end"][0] == begin
+    assert report.tenants_bytes["activations"] == report.tenants_bytes["gradients"] == 0
+    assert report.tenants_bytes["weights"] == 4 * P

@@ -259,18 +259,22 @@ def test_an_exact_answer_asked_after_fit_runs_dry_runs_that_leave_the_users_obje
 @pytest.mark.parametrize("name", ["gpt2/ones/32-true", "llama/padded/32-true", "demo/32-true"])
 def test_third_party_models_as_users_write_them_see_the_same_program(name: str, tmp_path: Path) -> None:
     """Hugging Face GPT-2 and Llama called as ``self.model(**batch)`` in ``training_step``, and Lightning's demo
-    Transformer: every option on, the user's modes see the same operators and functions, the losses are the same."""
+    Transformer, each validated after every epoch: every option on, the user's modes see the same operators and
+    functions, the training and validation losses are the same."""
     from hf_models import Spec, build_module, loader
 
     spec = Spec.parse(name)
 
     def run(callback: MemoryTenantsCallback | None) -> tuple[Counter[str], Counter[str], list[float]]:
-        module = build_module(spec)
+        module = build_module(spec, validate=True)
         losses: list[float] = []
 
         class Losses(L.Callback):
             def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
                 losses.append(float(outputs["loss"]))
+
+            def on_validation_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+                losses.append(float(outputs))
 
         trainer = L.Trainer(
             accelerator="cpu",
@@ -286,12 +290,19 @@ def test_third_party_models_as_users_write_them_see_the_same_program(name: str, 
         dispatched, functions = Dispatched(), Functions()
         with warnings.catch_warnings(), functions, dispatched:
             warnings.simplefilter("ignore")
-            trainer.fit(module, loader(spec))  # one batch an epoch: three epochs
+            trainer.fit(module, loader(spec), loader(spec))  # one batch an epoch: three epochs, each validated
         return dispatched.ops, functions.calls, losses
 
     without = run(None)
-    with_ = run(everything_on(budget_bytes=1_000_000))  # under the peak: the budget's warnings run
+    callback = everything_on(budget_bytes=1_000_000)  # under the peak: the budget's warnings run
+    with_ = run(callback)
     assert sum(without[0].values()) > 1000
     assert with_[0] == without[0], (with_[0] - without[0], without[0] - with_[0])
     assert with_[1] == without[1], (with_[1] - without[1], without[1] - with_[1])
-    assert with_[2] == without[2] and len(without[2]) == 3
+    # the sanity check's batch, then each epoch's training batch and validation batch
+    assert with_[2] == without[2] and len(without[2]) == 7
+    validation = callback.latest_validation
+    assert validation is not None and validation.peak_bytes is not None and validation.step == 3
+    fresh = build_module(spec)  # the weights tenant holds the buffers too (Llama's rotary frequencies, fp32)
+    tensors = [*fresh.parameters(), *fresh.buffers()]
+    assert validation.tenants_bytes["weights"] == sum(t.numel() * t.element_size() for t in tensors)
