@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback, PhaseReport, StepReport
+from lightning_memtenants.analysis.fixes import Fix
 from lightning_memtenants.names import PHASES, TENANTS
 from lightning_memtenants.render.table import (
     HEADLINE_HEADING,
@@ -24,6 +25,7 @@ from lightning_memtenants.render.table import (
     summary_text,
     summary_to_markdown,
     to_text,
+    top_fix,
 )
 from lightning_memtenants.render.tags import metrics
 from lightning_memtenants.render.tensorboard import desk_figure
@@ -223,6 +225,31 @@ def validation_report(peak: int | None = 21 * MiB) -> StepReport:
                       peak_phase="batch_end", peak_explanation="peak in the validation step",
                       memory_source="live-tensor tracker (cpu)", stage="validate", batch_index=7,
                       dataloader_index=0)  # fmt: skip
+
+
+def test_the_fix_for_an_evaluation_peak_weighs_the_loop_s_own_fixes_against_its_tenants() -> None:
+    # working memory 4 MiB (21 - 17), 1 MiB kept past the step (18 - 17); the loop holds 8 MiB of Adam's state
+    # and 4 of gradients training left
+    high = validation_report(64 * MiB)  # 47 MiB of working memory: halving the batch saves 23.50
+    assert top_fix(high, FIX_MODULE, FIX_OPTIMIZERS, samples=32) == Fix(
+        "halve the validation batch size (the validation DataLoader's batch_size)", 47 * MiB // 2
+    )
+    # a batch of one sample cannot be halved: dropping Adam's state saves most
+    assert top_fix(high, FIX_MODULE, FIX_OPTIMIZERS, samples=1) == Fix(
+        "SGD without momentum keeps no optimizer state", 8 * MiB
+    )
+    # no training fix that the loop cannot use (activation checkpointing, accumulate_grad_batches)
+    grad = replace(high, tenants_bytes={**high.tenants_bytes, "activations": 30 * MiB})
+    assert top_fix(grad, FIX_MODULE, FIX_OPTIMIZERS, samples=1).action.startswith(
+        "run the validation step without a graph"
+    )
+    first, middle, last = report(0, 30 * MiB), report(2, 40 * MiB), report(3, None)
+    summary = fit_summary(first, last, middle, None, evaluations=[high], module=FIX_MODULE,
+                          optimizers=FIX_OPTIMIZERS, evaluation_samples={"validate": 32})  # fmt: skip
+    assert summary.headline[2] == (
+        "to lower the peak most: for the validation peak, halve the validation batch size (the validation"
+        " DataLoader's batch_size) (saves about 23.50 MiB, an estimate)"
+    )
 
 
 def test_an_evaluation_batch_has_its_own_table() -> None:

@@ -659,6 +659,7 @@ class MemoryTenantsCallback(Callback):
             module=pl_module,
             optimizers=list(trainer.optimizers),
             world_size=self._world_size,
+            evaluation_samples=self._loops.peak_samples,
         )
         if history is not None:
             summary.lines.append(

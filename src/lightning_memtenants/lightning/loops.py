@@ -40,6 +40,7 @@ class EvaluationLoops:
     Attributes:
         latest: the last measured batch of each loop, by stage.
         peaks: the measured batch with the highest peak of each loop, by stage, over the trainer's run.
+        peak_samples: the samples of each of those batches, by stage.
         budget: the budget, or None.
     """
 
@@ -47,6 +48,7 @@ class EvaluationLoops:
         self.every_batch = every_batch
         self.latest: dict[Stage, StepReport] = {}
         self.peaks: dict[Stage, StepReport] = {}
+        self.peak_samples: dict[Stage, int] = {}
         self.budget: Budget | None = None
         self.guard = Guard(warn, "the evaluation loops")
         self._warn = warn
@@ -83,6 +85,7 @@ class EvaluationLoops:
         for stage in stages:
             self.latest.pop(stage, None)
             self.peaks.pop(stage, None)
+            self.peak_samples.pop(stage, None)
             self._lines.pop(stage, None)
         if "validate" in stages:
             self._training = None
@@ -204,7 +207,7 @@ class EvaluationLoops:
                 self._run_peak = report
             best = self.peaks.get(stage)
             if best is None or report.peak_bytes > (best.peak_bytes or 0):
-                self.peaks[stage] = report
+                self.peaks[stage], self.peak_samples[stage] = report, samples
         return report
 
     def end(self, trainer: pl.Trainer, stage: Stage) -> None:

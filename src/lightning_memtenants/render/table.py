@@ -8,13 +8,14 @@ allocator reserves (CUDA), ``allocated`` and ``fragmentation`` sum to ``reserved
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_memtenants.analysis.budget import Budget
+from lightning_memtenants.analysis.evaluation import evaluation_fixes
 from lightning_memtenants.analysis.fixes import Fix, optimizer_step_temporaries_bytes, ranked_fixes
 from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.timeline import OTHER_MODULES, OUTSIDE_MODULES
@@ -328,6 +329,7 @@ def fit_summary(
     module: nn.Module | None = None,
     optimizers: Sequence[Optimizer] = (),
     world_size: int = 1,
+    evaluation_samples: Mapping[str, int] | None = None,
 ) -> Summary:
     """The summary printed at the end of fit and written as markdown: one builder, so the two never differ.
 
@@ -337,7 +339,8 @@ def fit_summary(
     instead, and why the last was not measured. Above the tables a headline says where the peak was, which tenant
     was largest, and the one change that would lower the peak most (``analysis.fixes.ranked_fixes``, an estimate),
     or, where the peak is well under the budget, that nothing needs changing. Where an evaluation loop ran, a
-    table under the headline puts its last batch beside the last measured training step.
+    table under the headline puts its peak batch beside the last measured training step, and where that batch's
+    peak is the highest, the fix is for it.
 
     Args:
         first: the fit's first step, or None.
@@ -353,6 +356,8 @@ def fit_summary(
         module: the model, for the headline's fix (fp32 parameters suggest bf16-mixed); None: no fix is named.
         optimizers: its optimizers, for the fix (the optimizer step's temporaries, Adam's state).
         world_size: the ranks the optimizer state could be sharded over.
+        evaluation_samples: the samples of each evaluation loop's peak batch, by stage, for the fix that halves
+            it; a loop not named gets no such fix.
 
     Returns:
         The summary, for :func:`summary_text` or :func:`summary_to_markdown`.
@@ -389,9 +394,11 @@ def fit_summary(
     if evaluations:  # under the headline, whose first line it details
         tables.insert(0, side_by_side(last, evaluations))
     fix = None
+    target = _peak_report([_peak_report(shown), *evaluations])
     if module is not None:
-        fix = top_fix(_peak_report(shown), module, optimizers, world_size=world_size)
-    headline = headline_lines(shown, evaluations, budget_bytes, margin=margin, fix=fix)
+        samples = (evaluation_samples or {}).get(target.stage, 0)
+        fix = top_fix(target, module, optimizers, world_size=world_size, samples=samples)
+    headline = headline_lines(shown, evaluations, budget_bytes, margin=margin, fix=fix, fix_for=target)
     return Summary(shown, tables, lines, headline, evaluations)
 
 
@@ -404,21 +411,29 @@ def _peak_report(reports: Sequence[StepReport]) -> StepReport:
 
 
 def top_fix(
-    report: StepReport, module: nn.Module, optimizers: Sequence[Optimizer], *, world_size: int = 1
+    report: StepReport,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    world_size: int = 1,
+    samples: int = 0,
 ) -> Fix | None:
     """The fix that would lower ``report``'s peak most, estimated from the tenants alive in the peak's window.
 
     A peak in the forward pass or in backward counts the activations' high-water mark; one in the optimizer step
     counts the tenants at ``batch_end`` and the step's temporaries; elsewhere the tenants at the peak's boundary.
+    An evaluation batch's peak weighs the evaluation's own fixes (a smaller batch, no graph, what the step keeps)
+    against those of the tenants the loop holds (the optimizer state training left).
 
     Args:
-        report: the step whose peak is to be lowered.
+        report: the step or evaluation batch whose peak is to be lowered.
         module: the model.
         optimizers: its optimizers.
         world_size: the ranks the optimizer state could be sharded over.
+        samples: an evaluation batch's samples; 1 or fewer leaves out halving it.
 
     Returns:
-        The first of ``analysis.fixes.ranked_fixes``, or None where none applies.
+        The fix that saves most, or None where none applies.
     """
     phase = report.phases.get(report.peak_phase) if report.peak_phase is not None else None
     tenants: dict[str, int] = dict(report.tenants_bytes if phase is None else phase.tenants_bytes)
@@ -426,8 +441,18 @@ def top_fix(
         tenants["activations"] = report.tenants_bytes["activations"]
     in_step = report.stage == "train" and report.peak_phase == "batch_end"
     temporaries = optimizer_step_temporaries_bytes(optimizers) if in_step else 0
+    if report.stage != "train":  # the batch and its graph: the evaluation's own fixes below
+        tenants["activations"] = 0
     fixes = ranked_fixes(tenants, module, optimizers, world_size=world_size, temporaries_bytes=temporaries)
-    return fixes[0] if fixes else None
+    if report.stage != "train":
+        start, end = report.phases.get("batch_start"), report.phases.get("batch_end")
+        begin = start.allocated_bytes if start is not None else None
+        working = report.peak_bytes - begin if report.peak_bytes is not None and begin is not None else 0
+        kept = end.allocated_bytes - begin if end is not None and end.allocated_bytes is not None and begin else 0
+        fixes += evaluation_fixes(
+            report.stage, dict(report.tenants_bytes), working_bytes=working, kept_bytes=max(kept, 0), samples=samples
+        )
+    return max(fixes, key=lambda fix: fix.saves_bytes, default=None)
 
 
 def headline_lines(
@@ -437,6 +462,7 @@ def headline_lines(
     *,
     margin: float = 0.05,
     fix: Fix | None = None,
+    fix_for: StepReport | None = None,
 ) -> list[str]:
     """The first lines of the summary: where the peak was, the largest tenant, and what to change, if anything.
 
@@ -446,6 +472,7 @@ def headline_lines(
         budget_bytes: the budget, or None.
         margin: the fraction of the budget kept free.
         fix: the change that would lower the peak most (:func:`top_fix`), or None.
+        fix_for: the step or batch whose peak ``fix`` lowers; an evaluation batch is named in the fix's line.
 
     Returns:
         Up to three lines: the peaks (against the budget), the largest tenant's share of the peak, and the fix,
@@ -465,6 +492,8 @@ def headline_lines(
         second += f", {_percent(report.tenants_bytes[largest] / report.peak_bytes)} of the training peak"
     lines = [first, second]
     estimate = "" if fix is None else f"{fix.action} (saves about {mib(fix.saves_bytes)} MiB, an estimate)"
+    if fix is not None and fix_for is not None and fix_for.stage != "train":
+        estimate = f"for the {LOOP_NAMES[fix_for.stage]} peak, {estimate}"
     if budget_bytes is None or highest is None:
         if fix is not None:
             lines.append(f"to lower the peak most: {estimate}")
