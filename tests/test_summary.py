@@ -270,7 +270,8 @@ def test_an_evaluation_batch_has_its_own_table() -> None:
     # the tags and the desk read the phases that are there
     assert metrics(validation_report())["memtenants/window_peak/batch_end_MiB"] == 21.0
     assert not any("before_backward" in name for name in metrics(validation_report()))
-    assert desk_figure(validation_report(), 64 * MiB) is not None
+    title = desk_figure(validation_report(), 64 * MiB).axes[0].get_title()
+    assert title.startswith("memtenants desk: validation batch 7 (dataloader 0), at optimizer step 12, live-tensor")
 
 
 def test_validation_is_put_beside_training() -> None:

@@ -25,7 +25,7 @@ from lightning_memtenants.core.record import StepReport
 from lightning_memtenants.core.timeline import timeline_of
 from lightning_memtenants.names import PHASES, TENANTS
 from lightning_memtenants.render.postmortem import postmortem_markdown
-from lightning_memtenants.render.table import summary_markdown
+from lightning_memtenants.render.table import step_name, summary_markdown
 from lightning_memtenants.render.tags import DESK, POSTMORTEM, SUMMARY, custom_scalars_layout, tag
 from lightning_memtenants.render.timeline import TIMELINE, TIMELINE_PNG, timeline_figure
 from lightning_memtenants.units import MiB
@@ -114,7 +114,7 @@ def desk_figure(report: StepReport, budget_bytes: int | None = None) -> Figure:
     axes.set_ylabel("allocated (MiB)")
     axes.grid(axis="y", alpha=0.3)
     axes.set_axisbelow(True)
-    title = f"memtenants desk: optimizer step {report.step}, {report.memory_source}"
+    title = f"memtenants desk: {step_name(report)}, {report.memory_source}"
     axes.set_title(title + (f"; {budget_note}" if budget_note else ""), fontsize=12)
     handles, labels = axes.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: labels[i] in layers)  # markers and lines first, then the stack
