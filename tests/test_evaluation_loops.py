@@ -273,3 +273,52 @@ def test_where_validation_peaks_highest_the_headline_s_fix_is_validation_s(capsy
         "- to lower the peak most: for the validation peak, halve the validation batch size (the validation"
         f" DataLoader's batch_size) (saves about {working // 2 / MiB:.2f} MiB, an estimate)"
     )
+
+
+def test_the_evaluation_monitor_measures_a_hand_written_loop_to_the_byte() -> None:
+    """The core without Lightning: three batches of 32 under ``no_grad``, each made in the loop and dropped after."""
+    from lightning_memtenants import EvaluationMonitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 256), nn.ReLU(), nn.Linear(256, IN))
+    monitor = EvaluationMonitor(model, source=TrackerSource("cpu", scan=False), owns_source=True)
+    reports, kept = [], []
+    with torch.no_grad():
+        for index in range(3):
+            x, y = torch.randn(32, IN), torch.randn(32, IN)
+            monitor.batch_start("validate", (x, y), index)
+            loss = nn.functional.mse_loss(model(x), y)
+            reports.append(monitor.batch_end(loss))
+            kept.append(loss.untyped_storage().nbytes())
+            del x, y, loss
+    monitor.close()
+    assert nothing_registered()
+    start = weights_bytes(256) + batch_bytes(32)
+    # ATen's mse_loss returns a 0-d view of its 32 x 64 buffer of squared errors: the loss holds that whole storage
+    assert kept == [32 * IN * 4] * 3
+    for index, report in enumerate(reports):
+        assert (report.stage, report.batch_index, report.step) == ("validate", index, 0)
+        assert report.tenants_bytes == {"weights": weights_bytes(256), "gradients": 0, "optimizer_state": 0,
+                                        "activations": 0}  # fmt: skip
+        assert report.phases["batch_start"].allocated_bytes == start
+        assert report.peak_bytes == start + 2 * 32 * 256 * 4
+        assert report.phases["batch_end"].allocated_bytes == start + 32 * IN * 4
+    assert monitor.batch_end() is None  # no batch open
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"source": "tracker"}, "source must be None or a MemorySource, got 'tracker'"),
+        ({"guard": "once"}, "guard must be None or a Guard, got 'once'"),
+        ({"device": "gpu0"}, "device must be None, a torch.device or a name like 'cuda:0', got 'gpu0'"),
+    ],
+)
+def test_the_evaluation_monitor_refuses_bad_arguments_in_one_line(kwargs, message) -> None:
+    from lightning_memtenants import EvaluationMonitor
+
+    with pytest.raises(ValueError, match=message):
+        EvaluationMonitor(nn.Linear(2, 2), **kwargs)
+    monitor = EvaluationMonitor(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"stage must be one of \('validate', 'test', 'predict'\), got 'train'"):
+        monitor.batch_start("train", torch.zeros(1, 2), 0)

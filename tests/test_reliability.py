@@ -102,6 +102,54 @@ def test_a_fault_at_each_hook_disables_one_part_and_training_completes(monkeypat
         assert cb.latest.tenants_bytes["optimizer_state"] == 129 * 8 + 4 * 4
 
 
+@pytest.mark.parametrize("part", ["census", "memory source"])
+def test_a_fault_in_every_validation_run_warns_once_and_training_is_untouched(monkeypatch, part) -> None:
+    """The fault strikes in the sanity check and in each of three validation runs: one warning for the fit, the
+    part stays off in the later runs, and training measures its steps as before."""
+    trainer = make_trainer([], steps=6, limit_val_batches=2, val_check_interval=2)
+    current = {"trainer": trainer}
+
+    def faulty(original):
+        def run(*args, **kwargs):
+            if current["trainer"].validating or current["trainer"].sanity_checking:
+                raise RuntimeError("injected fault in validation")
+            return original(*args, **kwargs)
+
+        return run
+
+    if part == "census":
+        monkeypatch.setattr(TenantCounter, "count", faulty(TenantCounter.count))
+    else:
+        monkeypatch.setattr(TrackerSource, "read", faulty(TrackerSource.read))
+    cb = MemoryTenantsCallback(print_summary=False, track_every_step=True)
+    trainer.callbacks.append(cb)
+    module, plain = (torch.manual_seed(0) and Net()), (torch.manual_seed(0) and Net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader(), loader())
+    make_trainer([], steps=6, limit_val_batches=2, val_check_interval=2).fit(plain, loader(), loader())
+    ours = [str(w.message) for w in caught if "memtenants" in str(w.message)]
+    assert ours == [
+        f"memtenants: measuring the evaluation {part} failed (RuntimeError: injected fault in validation); {part} is"
+        " disabled from now on"
+    ]
+    assert module.losses == plain.losses and len(module.losses) == 6
+    assert cb.latest.step == 5 and cb.latest.peak_bytes is not None  # training's own measurements go on
+    if part == "census":
+        assert cb.latest_validation is None
+    else:  # the tenants go on, without a peak
+        assert cb.latest_validation.peak_bytes is None and cb.latest_validation.tenants_bytes["weights"] == 129 * 4
+    assert nothing_registered()
+    # a validate of its own, on a source of its own: one warning again (a new entry point starts afresh), and the
+    # source it started is stopped although it failed
+    current["trainer"] = alone = make_trainer([cb], limit_val_batches=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        alone.validate(module, loader())
+    assert [str(w.message) for w in caught if "memtenants" in str(w.message)] == ours
+    assert nothing_registered()
+
+
 @pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
 @pytest.mark.parametrize(
     "make_error",

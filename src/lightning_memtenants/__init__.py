@@ -29,6 +29,7 @@ from lightning_memtenants.core.sources import (
     source_for,
 )
 from lightning_memtenants.core.tracker import LiveTensorTracker
+from lightning_memtenants.evaluation import EvaluationMonitor
 from lightning_memtenants.lightning.callback import MemoryTenantsCallback
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import PARTS, PHASES, TENANTS, Part, Phase, Tenant
@@ -52,6 +53,7 @@ __all__ = [
     "CachingAllocatorModel",
     "CudaSource",
     "DeviceFootprint",
+    "EvaluationMonitor",
     "FixedCost",
     "GraphCounts",
     "LeakDetector",

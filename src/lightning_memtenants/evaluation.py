@@ -43,6 +43,9 @@ class EvaluationMonitor:
         warn: how a failed measurement is reported (once per part).
         host_state: the optimizer-state entries kept in host memory (see ``TenantMonitor``).
         owns_source: stop the source on :meth:`close`.
+        guard: the guard of the parts (census, activations, memory source); pass the one of an earlier monitor so that
+            a part that failed in one loop run stays disabled, and unwarned, in the next. None: a guard of its own,
+            which reports with ``warn``.
 
     Raises:
         ValueError: if ``source`` is not None or a MemorySource, or ``device`` names no device.
@@ -68,15 +71,18 @@ class EvaluationMonitor:
         warn: Callable[[str], Any] = warnings.warn,
         host_state: HostState | None = None,
         owns_source: bool = False,
+        guard: Guard | None = None,
     ) -> None:
         if source is not None and not isinstance(source, MemorySource):
             raise ValueError(f"source must be None or a MemorySource, got {brief(source)}")
+        if guard is not None and not isinstance(guard, Guard):
+            raise ValueError(f"guard must be None or a Guard, got {brief(guard)}")
         self.device = module_device(module, device)
         self.module = module
         self.optimizers = list(optimizers)
         self.host_state = host_state
         self.owns_source = owns_source
-        self._guard = Guard(warn, "measuring the evaluation")
+        self._guard = guard if guard is not None else Guard(warn, "measuring the evaluation")
         self._session = SourceSession(source if source is not None else MemorySource(), self._guard)
         self._activations = ActivationTracker(self.device.type)
         if isinstance(source, TrackerSource):

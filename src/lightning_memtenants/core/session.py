@@ -8,7 +8,7 @@ a failed source is read no more, is one idea of its own; :class:`SourceSession` 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import Tensor
@@ -95,7 +95,7 @@ class SourceSession:
         """The step is over (or dropped): a costly source pauses, and nothing is measured until the next
         :meth:`begin`."""
         if self.measuring and not self.source.every_step:
-            self._guard.run(_PART, self.source.pause)
+            self._call(self.source.pause)
         self.measuring = self.paused_between = False
 
     def stop(self) -> None:
@@ -107,7 +107,16 @@ class SourceSession:
     def close(self) -> None:
         """Stop the source and its hooks; a failure to stop is the guard's to report."""
         self.measuring = self.paused_between = False
-        self._guard.run(_PART, self.source.stop)
+        self._call(self.source.stop)
 
     def _works(self) -> bool:
         return _PART not in self._guard.disabled
+
+    def _call(self, fn: Callable[[], Any]) -> None:
+        """Pause or stop the source through the guard; where it already failed, still, quietly: a source that
+        failed to read may hold a dispatch mode or hooks, which must not outlive the step."""
+        if self._works():
+            self._guard.run(_PART, fn)
+        else:
+            with contextlib.suppress(Exception):
+                fn()

@@ -51,6 +51,7 @@ class EvaluationLoops:
         self.peak_samples: dict[Stage, int] = {}
         self.budget: Budget | None = None
         self.guard = Guard(warn, "the evaluation loops")
+        self._measuring = Guard(warn, "measuring the evaluation")  # every run's monitor's: a failed part stays off
         self._warn = warn
         self._warned: set[str] = set()
         self._monitor: EvaluationMonitor | None = None
@@ -90,6 +91,7 @@ class EvaluationLoops:
         if "validate" in stages:
             self._training = None
         self._warned = set()
+        self._measuring = Guard(self._warn, "measuring the evaluation")
 
     def training_step(self, report: StepReport, samples: int, batch_bytes: int) -> None:
         """A measured training step, whose forward bounds an evaluation batch's peak before one was measured.
@@ -139,6 +141,7 @@ class EvaluationLoops:
                 device=module.device,
                 warn=self._warn,
                 owns_source=owns_source,
+                guard=self._measuring,
             ),
         )
 
