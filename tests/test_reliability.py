@@ -45,6 +45,8 @@ class Net(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        if self.fail == "validation_step":
+            raise self.error
         return self.net(batch[0]).sum()
 
     def test_step(self, batch, batch_idx):
@@ -150,7 +152,7 @@ def test_a_fault_in_every_validation_run_warns_once_and_training_is_untouched(mo
     assert nothing_registered()
 
 
-@pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step"])
+@pytest.mark.parametrize("where", ["training_step", "backward", "optimizer_step", "validation_step"])
 @pytest.mark.parametrize(
     "make_error",
     [lambda: ValueError("user error"), lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")],
@@ -160,10 +162,10 @@ def test_user_exceptions_keep_their_identity_and_traceback(tmp_path, where, make
     module = Net(where, error)
     cb = MemoryTenantsCallback(postmortem_dir=tmp_path, print_summary=False)
     with pytest.raises(type(error)) as caught:
-        make_trainer([cb], steps=2).fit(module, loader())
+        make_trainer([cb], steps=2).fit(module, loader(), loader())  # validation in the sanity check, first
     assert caught.value is error
     frames = [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
-    assert {"training_step": "training_step", "backward": "backward", "optimizer_step": "step"}[where] in frames
+    assert {"optimizer_step": "step"}.get(where, where) in frames
     assert nothing_registered()
     assert (tmp_path / "memtenants_oom.json").exists() == isinstance(error, torch.OutOfMemoryError)
 
