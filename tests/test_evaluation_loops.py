@@ -322,3 +322,26 @@ def test_the_evaluation_monitor_refuses_bad_arguments_in_one_line(kwargs, messag
     monitor = EvaluationMonitor(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"stage must be one of \('validate', 'test', 'predict'\), got 'train'"):
         monitor.batch_start("train", torch.zeros(1, 2), 0)
+
+
+class KeepsLogits(Net):
+    """The common pattern: each validation batch's logits appended to a list, on the device, without a graph."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.kept.append(self.net(batch[0]))
+
+
+def test_logits_kept_on_the_device_across_validation_batches_are_flagged() -> None:
+    cb = MemoryTenantsCallback(print_summary=False)
+    trainer = make_trainer([cb], steps=1, num_sanity_val_steps=0, limit_val_batches=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(KeepsLogits(), loader(4, 4), loader(5 * 256, 256))
+    report = cb.latest_validation
+    assert report.tenants_bytes["activations"] == 0  # no graph: inference mode
+    start, end = report.phases["batch_start"].allocated_bytes, report.phases["batch_end"].allocated_bytes
+    assert end - start == 256 * IN * 4  # the batch's logits outlive its step
+    leaks = [str(w.message) for w in caught if "per validation batch" in str(w.message)]
+    assert len(leaks) == 1
+    assert f"grows by {256 * IN * 4 / MiB:.2f} MiB per validation batch" in leaks[0]
+    assert ".detach().cpu()" in leaks[0]
