@@ -245,7 +245,7 @@ def test_an_oom_in_a_fit_s_sanity_check_leaves_its_postmortem_in_the_log_dir(tmp
 def test_the_summary_sets_the_validation_loop_s_peak_batch_beside_training(capsys) -> None:
     """Validation on 80 samples in batches of 32 ends with a batch of 16: the headline and the side-by-side table
     show the peak of a batch of 32, not the last batch's."""
-    cb = MemoryTenantsCallback()
+    cb = MemoryTenantsCallback(budget_bytes="64MiB")
     make_trainer([cb], steps=1, num_sanity_val_steps=0).fit(Net(), loader(4, 4), loader(80, 32))
     out = capsys.readouterr().out
     held = weights_bytes(256) + adam_bytes(256)
@@ -254,6 +254,13 @@ def test_the_summary_sets_the_validation_loop_s_peak_batch_beside_training(capsy
     peak = held + batch_bytes(32) + 2 * 32 * 256 * 4
     assert cb.evaluation_peak("validate").peak_bytes == peak
     assert f"| validation {peak / MiB:.2f} MiB (batch 0)" in out
+    # a sample costs its x and y and two rows of 256 floats; the loop holds the weights and Adam's state
+    largest = (int(64 * MiB * 0.95) - held) // (batch_bytes(1) + 2 * 256 * 4)
+    assert cb.max_batch_size(stage="validate") == largest
+    assert (
+        f"- the largest validation batch is {largest:,} samples: its peak fits 64 MiB less a 5% margin (60.80 MiB);"
+        " scaled from its measured batches (max_batch_size(stage='validate'))"
+    ) in out
 
 
 def test_where_validation_peaks_highest_the_headline_s_fix_is_validation_s(capsys) -> None:

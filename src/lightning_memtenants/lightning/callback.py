@@ -29,7 +29,7 @@ from lightning_memtenants.lightning.postmortem import Postmortem, is_out_of_memo
 from lightning_memtenants.lightning.ranks import gather_or_warn
 from lightning_memtenants.monitor import TenantMonitor
 from lightning_memtenants.names import EVALUATION_STAGES, LOOP_NAMES, STAGES, Phase, Stage
-from lightning_memtenants.render.table import fit_summary, step_table, to_text
+from lightning_memtenants.render.table import fit_summary, fits_text, step_table, to_text
 from lightning_memtenants.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -661,6 +661,13 @@ class MemoryTenantsCallback(Callback):
             world_size=self._world_size,
             evaluation_samples=self._loops.peak_samples,
         )
+        largest_validation = self._loops.max_batch_size("validate") if "validate" in self._loops.peaks else None
+        if self.print_summary and self.budget is not None and largest_validation is not None:
+            summary.lines.append(
+                f"the largest validation batch is {largest_validation:,} samples: its peak"
+                f" {fits_text(self.budget, self.margin)}; scaled from its measured batches"
+                " (max_batch_size(stage='validate'))"
+            )
         if history is not None:
             summary.lines.append(
                 f"the allocator's history (record_history): {history}; render it with"
