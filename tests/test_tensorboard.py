@@ -43,13 +43,21 @@ SEED_FIXED = 402_800_664
 BUDGET = 1024 * MiB
 # need an allocator that reserves
 CUDA_ONLY = {"memtenants/reserved_MiB", "memtenants/fragmentation_MiB", "memtenants/peak_reserved_MiB"}
-# logged only under mixed precision, a GradScaler or DDP (tests/test_matrix.py checks them)
-CONDITIONAL = {f"memtenants/part/{name}_MiB" for name in PARTS}
+# logged only under mixed precision, a GradScaler or DDP (tests/test_matrix.py checks them), or by loops this run
+# does not run, or on CUDA
+CONDITIONAL = {f"memtenants/part/{name}_MiB" for name in PARTS} | {"memtenants/validation/peak_reserved_MiB"}
+LOOPS = ("validation", "test", "predict")
+
+
+class ValidatedSeedMLP(SeedMLP):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.net(batch[0])
 
 
 @pytest.fixture(scope="module")
 def seed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[MemoryTenantsCallback, Path]:
-    """The seed example's model and data in a Trainer with a TensorBoardLogger: 3 steps at batch 32."""
+    """The seed example's model and data in a Trainer with a TensorBoardLogger: 3 steps at batch 32, then a
+    validation batch of 256 (8x), after a sanity check."""
     root = tmp_path_factory.mktemp("tb")
     with pytest.MonkeyPatch.context() as patch:
         for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything sets them: not past this fit
@@ -57,7 +65,7 @@ def seed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[MemoryTenantsCal
         L.seed_everything(0, verbose=False)
         cb = MemoryTenantsCallback(budget_bytes="1GiB", print_summary=False)
         trainer = make_trainer([cb], steps=3, logger=TensorBoardLogger(root, name="seed_mlp"))
-        trainer.fit(SeedMLP(), seed_loader(32, 3))
+        trainer.fit(ValidatedSeedMLP(), seed_loader(32, 3), seed_loader(256, 1, seed=1))
     return cb, root
 
 
@@ -99,7 +107,13 @@ def get(base: str, path: str, **query: str) -> Any:
 
 
 def documented_tags() -> set[str]:
-    return set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", TAGS_PAGE.read_text()))
+    """Every tag the tags page names; a row of ``memtenants/<loop>/...`` names each loop's, its bare names too."""
+    text = TAGS_PAGE.read_text()
+    tags = set(re.findall(r"`(memtenants/[A-Za-z0-9_/]+)`", text))
+    for row in re.findall(r"^\| (`memtenants/<loop>/.*?) \|", text, re.M):
+        names = [name.removeprefix("memtenants/<loop>/") for name in re.findall(r"`([^`]+)`", row)]
+        tags |= {f"memtenants/{loop}/{name}" for loop in LOOPS for name in names}
+    return tags
 
 
 @pytest.mark.slow
@@ -107,8 +121,9 @@ def test_scalars_endpoint_lists_every_documented_tag(server: str) -> None:
     tags = set(get(server, "/data/plugin/scalars/tags")[RUN])
     assert all(tag.startswith("memtenants/") for tag in tags)
     expected = {tag for tag in documented_tags() if tag.endswith(("_MiB", "_size"))} - CUDA_ONLY - CONDITIONAL
+    expected = {tag for tag in expected if not tag.startswith(("memtenants/test/", "memtenants/predict/"))}
     assert tags == expected
-    assert len(tags) == 23
+    assert len(tags) == 23 + 11  # training's, and the validation loop's
 
 
 @pytest.mark.slow
@@ -124,9 +139,10 @@ def test_custom_scalars_endpoint_returns_our_layout(server: str) -> None:
         for title, charts in ours.items()
     ]
     titles = [chart["title"] for chart in served["category"][0]["chart"]]
-    assert titles[:5] == [
+    assert titles[:6] == [
         "tenants (MiB)",
         "peak vs sum of tenants (MiB)",
+        "peak: training vs validation (MiB)",
         "fixed cost: expected vs measured (MiB)",
         "headroom (MiB)",
         "max batch size (samples)",
@@ -183,6 +199,12 @@ def test_event_file_holds_the_seed_weights_to_the_byte(seed_run) -> None:
     headroom = events.Scalars("memtenants/headroom_MiB")[-1].value
     assert headroom == float(np.float32((BUDGET - cb.latest.peak_bytes) / MiB))
     assert "custom_scalars__config__" in events.Tags()["tensors"]
+    # one validation run (the sanity check is not logged), at step 2, where Lightning logs a self.log of the same
+    # validation run: the weights and Adam's state (Lightning freed the gradients), the batch of 256 x 1024 floats,
+    # and Linear(1024, 4096)'s output and the ReLU's alive together
+    peaks = [(event.step, event.value) for event in events.Scalars("memtenants/validation/peak_MiB")]
+    peak = SEED_FIXED - SEED_WEIGHTS + 256 * 1024 * 4 + 2 * 256 * 4096 * 4
+    assert peaks == [(2, float(np.float32(peak / MiB)))] and cb.evaluation_peak("validate").peak_bytes == peak
 
 
 def test_png_and_markdown_in_the_log_dir(seed_run) -> None:

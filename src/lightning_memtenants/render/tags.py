@@ -181,8 +181,9 @@ def custom_scalars_layout(separator: str = "/") -> dict[str, dict[str, list[Any]
         ROOT: {
             "tenants (MiB)": ["Multiline", [t(f"{name}_MiB") for name in (*TENANTS, "other")]],
             "peak vs sum of tenants (MiB)": ["Multiline", [t("peak_MiB"), t("tenant_sum_MiB")]],
+            "peak: training vs validation (MiB)": ["Multiline", [t("peak_MiB"), t("validation", "peak_MiB")]],
             "fixed cost: expected vs measured (MiB)": ["Multiline", [t("fixed_expected_MiB"), t("fixed_measured_MiB")]],
-            "headroom (MiB)": ["Multiline", [t("headroom_MiB")]],
+            "headroom (MiB)": ["Multiline", [t("headroom_MiB"), t("validation", "headroom_MiB")]],
             "max batch size (samples)": ["Multiline", [t("max_batch_size")]],
             "allocated per phase (MiB)": ["Multiline", [t("allocated", f"{phase}_MiB") for phase in PHASES]],
             "window peak per phase (MiB)": ["Multiline", [t("window_peak", f"{phase}_MiB") for phase in PHASES]],
