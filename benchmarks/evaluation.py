@@ -40,11 +40,10 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import TinyTransformer, transformer_loader
+from overhead import NullDispatchArm, TinyTransformer, transformer_loader
 
 from lightning_memtenants import MemoryTenantsCallback
 
@@ -58,29 +57,14 @@ class ValidatedTiny(TinyTransformer):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-class _NullMode(TorchDispatchMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class NullModeArm(L.Callback):
-    """Enters a dispatch mode that does nothing at each validation batch's start, leaves it at its end."""
-
-    def __init__(self) -> None:
-        self._mode: _NullMode | None = None
+class NullModeArm(NullDispatchArm):
+    """``overhead.py``'s null dispatch mode, entered at each validation batch's start and left at its end."""
 
     def on_validation_batch_start(self, *args: object) -> None:
-        self._mode = _NullMode()
-        self._mode.__enter__()
+        self.on_train_batch_start()
 
     def on_validation_batch_end(self, *args: object) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self._leave()
 
 
 ARMS: dict[str, Callable[[], list[L.Callback]]] = {

@@ -447,8 +447,9 @@ def top_fix(
     if report.stage != "train":
         start, end = report.phases.get("batch_start"), report.phases.get("batch_end")
         begin = start.allocated_bytes if start is not None else None
+        finish = end.allocated_bytes if end is not None else None
         working = report.peak_bytes - begin if report.peak_bytes is not None and begin is not None else 0
-        kept = end.allocated_bytes - begin if end is not None and end.allocated_bytes is not None and begin else 0
+        kept = finish - begin if finish is not None and begin is not None else 0
         fixes += evaluation_fixes(
             report.stage, dict(report.tenants_bytes), working_bytes=working, kept_bytes=max(kept, 0), samples=samples
         )
