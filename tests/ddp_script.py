@@ -8,7 +8,8 @@ Modes: ``ddp`` (Adam; then ZeroRedundancyOptimizer with gradient_as_bucket_view=
 ``fault`` (the census fails on rank 1 only: both ranks must finish), ``crash`` (rank 1's training_step
 raises: the run must end, not hang), ``oom-one`` and ``oom-both`` (``torch.OutOfMemoryError`` on rank 1, or
 on both: the run ends and each failing rank writes its own postmortem), ``oom-val-one`` (rank 1 runs out in
-the sanity check's second validation batch, before training starts), ``oom-plain`` (``oom-one`` without the
+the sanity check's second validation batch, before training starts), ``validate-oom`` (the same batch fails in
+a stand-alone ``trainer.validate``), ``oom-plain`` (``oom-one`` without the
 callback, to time against), ``budget`` (ranks train on sequences of different lengths under a budget: the
 largest batch logged is the minimum over ranks).
 """
@@ -143,6 +144,7 @@ def fit(
     oom: str = "",
     out: Path | None = None,
     ours: bool = True,
+    validate_only: bool = False,
 ) -> tuple[MemoryTenantsCallback, RecordingLogger]:
     cb = MemoryTenantsCallback(print_summary=False, postmortem_dir=out)
     logger = RecordingLogger()
@@ -165,7 +167,10 @@ def fit(
     )
     data = TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
     val = DataLoader(data, batch_size=16) if oom == "val-one" else None  # the other runs have no validation loop
-    trainer.fit(Net(zero, crash, fsdp, oom), DataLoader(data, batch_size=8), val)
+    if validate_only:  # a stand-alone trainer.validate: its loop reads the log dir and the ranks for itself
+        trainer.validate(Net(zero, crash, fsdp, oom), val, verbose=False)
+    else:
+        trainer.fit(Net(zero, crash, fsdp, oom), DataLoader(data, batch_size=8), val)
     return cb, logger
 
 
@@ -214,6 +219,8 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    if mode == "validate-oom":
+        fit(oom="val-one", validate_only=True)
     if mode.startswith("oom"):  # oom-one, oom-both, oom-val-one, oom-plain (oom-one without the callback): it ends
         # the postmortem goes to the default directory, the one ``trainer.log_dir`` names (here the working one)
         fit(oom="one" if mode == "oom-plain" else mode.removeprefix("oom-"), ours=mode != "oom-plain")

@@ -181,10 +181,12 @@ def test_each_failing_rank_writes_its_own_postmortem(tmp_path: Path) -> None:
         )
 
 
-def test_a_rank_out_of_memory_in_validation_names_the_loop_and_its_rank(tmp_path: Path) -> None:
-    """Rank 1 fails in the sanity check's second validation batch, before ``on_train_start``: the file still
-    carries its rank (read in ``setup``), and the record names the loop and the batch."""
-    done = launch("oom-val-one", tmp_path, timeout=120)
+@pytest.mark.parametrize("mode", ["oom-val-one", "validate-oom"])
+def test_a_rank_out_of_memory_in_validation_names_the_loop_and_its_rank(tmp_path: Path, mode: str) -> None:
+    """Rank 1 fails in the second validation batch, in a fit's sanity check (before ``on_train_start``) or in a
+    stand-alone ``trainer.validate``: the run ends, the file carries its rank (read in ``setup``), and the record
+    names the loop and the batch."""
+    done = launch(mode, tmp_path, timeout=120)
     assert done.returncode != 0 and "CUDA out of memory in validation on rank 1 (injected)" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("memtenants")) == [
         "memtenants_oom_rank1.json",
