@@ -9,7 +9,6 @@ step whole where it does not log (one graph), and the prediction runs it with it
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_models import WIDTH, BrokenLM, LoggedLM
-from conftest import CLOSURE_DIVISOR, make_trainer
+from conftest import CLOSURE_DIVISOR, CollectedEachStep, make_trainer
 
 from lightning_memtenants import MemoryTenantsCallback, predict
 
@@ -42,23 +41,12 @@ class Losses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-class Collected(L.Callback):
-    """Collects garbage before each step. Dynamo's tracers and their ``OutputGraph`` reference each other, and the
-    graph's ``local_scope`` holds the traced frame's real tensors: after the item break's recompile at step 1 (the
-    float is guarded), a 64 x 256 float32 input stayed alive in such a cycle, and the tracker rightly counted it in
-    the peaks until a collection. When one comes depends on every allocation before it (pytest's
-    log capture, a cold inductor cache moved it): a measured step that compiles nothing is the model's own."""
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        gc.collect()
-
-
 def fit(module: L.LightningModule, rows: int, measured: bool, steps: int = 2) -> tuple[Any, list[float], int]:
     """A real fit: the last step's report (None unmeasured), the losses, Dynamo's graphs so far."""
     losses = Losses()
     callback = MemoryTenantsCallback(print_summary=False)
     data = DataLoader(TensorDataset(torch.randn(4 * rows, WIDTH, generator=torch.Generator().manual_seed(1))), rows)
-    callbacks = [Collected(), losses, callback] if measured else [Collected(), losses]
+    callbacks = [CollectedEachStep(), losses, callback] if measured else [CollectedEachStep(), losses]
     make_trainer(callbacks, steps=steps).fit(module, data)
     report = callback.latest if measured else None
     return report, losses.losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]

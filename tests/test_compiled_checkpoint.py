@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_models import HIDDEN, WIDTH, CheckpointedLM, MixedCheckpointLM
-from conftest import CLOSURE_DIVISOR, make_trainer
+from conftest import CLOSURE_DIVISOR, CollectedEachStep, make_trainer
 
 from lightning_memtenants import PHASES, MemoryTenantsCallback, StepReport, predict
 
@@ -41,7 +41,7 @@ def fit(module: L.LightningModule) -> StepReport:
     torch._dynamo.reset()
     callback = MemoryTenantsCallback(print_summary=False)
     data = DataLoader(TensorDataset(torch.randn(4 * ROWS, WIDTH)), batch_size=ROWS)
-    make_trainer([callback], steps=2).fit(module, data)
+    make_trainer([CollectedEachStep(), callback], steps=2).fit(module, data)
     assert callback.latest is not None
     return callback.latest
 

@@ -18,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_models import GatedLM, gated_blocks, square_loss
-from conftest import CLOSURE_DIVISOR, make_trainer
+from conftest import CLOSURE_DIVISOR, CollectedEachStep, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback, dry_run, predict
@@ -99,7 +99,7 @@ def real() -> dict[str, Any]:
     torch._dynamo.reset()
     callback = MemoryTenantsCallback(print_summary=False)
     data = DataLoader(TensorDataset(torch.randn(4 * BATCH[0], BATCH[1])), batch_size=BATCH[0])
-    make_trainer([callback], steps=2).fit(GatedLM(compiled=True), data)
+    make_trainer([CollectedEachStep(), callback], steps=2).fit(GatedLM(compiled=True), data)
     result["fit"] = callback.latest
     result["fit_prediction"] = predict(GatedLM(compiled=True), (BATCH,), steps=2)
     torch._dynamo.reset()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from compiled_models import GatedLM, gated_blocks, square_loss
-from conftest import make_trainer
+from conftest import CollectedEachStep, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtenants import MemoryTenantsCallback, predict
@@ -59,7 +59,7 @@ def half() -> dict[str, Any]:
         torch._dynamo.reset()
         callback = MemoryTenantsCallback(print_summary=False)
         data = DataLoader(TensorDataset(torch.randn(4 * BATCH[0], BATCH[1])), batch_size=BATCH[0])
-        make_trainer([callback], steps=2).fit(GatedLM(compiled=True), data)
+        make_trainer([CollectedEachStep(), callback], steps=2).fit(GatedLM(compiled=True), data)
         result["fit"] = callback.latest
         result["before"] = process_state()
         patch.setattr(PyCodeCache, "write", lambda *a, **k: result["written"].append(a) or write(*a, **k))
