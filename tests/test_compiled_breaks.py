@@ -46,8 +46,7 @@ def fit(module: L.LightningModule, rows: int, measured: bool, steps: int = 2) ->
     losses = Losses()
     callback = MemoryTenantsCallback(print_summary=False)
     data = DataLoader(TensorDataset(torch.randn(4 * rows, WIDTH, generator=torch.Generator().manual_seed(1))), rows)
-    callbacks = [CollectedEachStep(), losses, callback] if measured else [CollectedEachStep(), losses]
-    make_trainer(callbacks, steps=steps).fit(module, data)
+    make_trainer([CollectedEachStep(), losses] + ([callback] if measured else []), steps=steps).fit(module, data)
     report = callback.latest if measured else None
     return report, losses.losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
